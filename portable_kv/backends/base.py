@@ -1,0 +1,55 @@
+"""The interface every backend implements, and the errors they share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..plan import Transfer
+
+IO_BACKENDS = ("kernel", "direct")
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend cannot run here; the message names the cause and the fix."""
+
+
+class Backend(ABC):
+    name: str
+    vendor: str  # "nvidia" | "amd" | "cpu"
+    io_backends: tuple[str, ...] = IO_BACKENDS
+
+    def __init__(self) -> None:
+        self.device = self._device()
+
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when this backend can run on this machine, else why not (cheap, no compilation)."""
+
+    @abstractmethod
+    def _device(self) -> torch.device: ...
+
+    @property
+    def pins_memory(self) -> bool:
+        """Whether host pools are page-locked (needed for zero-copy kernels and async DMA)."""
+        return self.device.type != "cpu"
+
+    def allocate_host(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin and self.pins_memory)
+
+    @abstractmethod
+    def transfer(self, transfer: Transfer, io_backend: str) -> None:
+        """Enqueue one validated transfer on the current stream of self.device."""
+
+    def synchronize(self) -> None:
+        if self.device.type != "cpu":
+            torch.cuda.synchronize(self.device)
+
+    def describe(self) -> dict[str, str]:
+        """Facts for `portable-kv info`: compilers, runtime versions."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} on {self.device}>"

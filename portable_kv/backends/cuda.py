@@ -1,0 +1,209 @@
+"""NVIDIA: NVRTC or nvcc code objects, loaded and launched through cuda-python.
+
+Twin of rocm.py: the same methods in the same order; gpu.py holds the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from ..plan import CopyBatch
+from .base import BackendUnavailable
+from .gpu import KERNEL_WIDTHS, PACKAGE_DIR, COMMON_KERNEL_DIR, GpuBackend, as_pointer_array, find_loaded_library, split_batch
+
+KERNEL_SOURCE = PACKAGE_DIR / "kernels_cuda" / "kv_copy.cu"
+AOT_ARCHS = ("sm_80", "sm_90", "sm_100")
+BATCH_MIN_VERSION = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
+BATCH_FAILIDX_UNTIL = 13000  # 12.8/12.9 take a failIdx argument; 13.0 dropped it
+SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream; 0 is invalid
+MEMCPY_HOST_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_DEFAULT = 1, 2, 4
+
+
+def bindings():
+    """cuda-python's driver and NVRTC modules; a clear error when the `cuda` extra is missing."""
+    try:
+        return importlib.import_module("cuda.bindings.driver"), importlib.import_module("cuda.bindings.nvrtc")
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"cuda-python is not importable ({exc}); install it with: pip install 'portable-kv[cuda]'"
+        ) from exc
+
+
+def check(result, what: str):
+    """Unwrap a cuda-python (error, *values) tuple, raising with the driver's name for the error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)} ({int(err)})")
+    return values[0] if len(values) == 1 else values
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """cudaMemcpyAttributes (CUDA >= 12.8); the location hints are ignored for pinned memory."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_hint_type", ctypes.c_int),
+        ("src_hint_id", ctypes.c_int),
+        ("dst_hint_type", ctypes.c_int),
+        ("dst_hint_id", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class CudaRuntime:
+    """The CUDA runtime library torch already loaded, called through ctypes.
+
+    The batched memcpy takes arrays of thousands of pointers; cuda-python's
+    wrapper converts them element by element, ctypes passes numpy's buffers.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        path = path or find_loaded_library("libcudart") or "libcudart.so"
+        try:
+            self.lib = ctypes.CDLL(path)
+        except OSError as exc:
+            raise BackendUnavailable(f"the CUDA runtime library could not be loaded ({exc}); install a CUDA build of torch") from exc
+        version = ctypes.c_int()
+        self.lib.cudaRuntimeGetVersion(ctypes.byref(version))
+        self.version = version.value
+        self.has_batch = self.version >= BATCH_MIN_VERSION and hasattr(self.lib, "cudaMemcpyBatchAsync")
+        self.attrs = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
+        self.attrs_index = ctypes.c_size_t(0)
+        self.fail_index = ctypes.c_size_t(0)
+
+    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
+        if not self.has_batch:
+            for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
+                self._check(self.lib.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(size), MEMCPY_DEFAULT, ctypes.c_void_p(stream)), "cudaMemcpyAsync")
+            return
+        args = [
+            ctypes.c_void_p(as_pointer_array(batch.dst)),
+            ctypes.c_void_p(as_pointer_array(batch.src)),
+            ctypes.c_void_p(as_pointer_array(batch.sizes)),
+            ctypes.c_size_t(len(batch)),
+            ctypes.byref(self.attrs),
+            ctypes.byref(self.attrs_index),
+            ctypes.c_size_t(1),
+        ]
+        if self.version < BATCH_FAILIDX_UNTIL:
+            args.append(ctypes.byref(self.fail_index))
+        args.append(ctypes.c_void_p(stream))
+        self._check(self.lib.cudaMemcpyBatchAsync(*args), "cudaMemcpyBatchAsync")
+
+    def _check(self, err: int, what: str) -> None:
+        if err:
+            self.lib.cudaGetErrorName.restype = ctypes.c_char_p
+            raise RuntimeError(f"{what} failed: {self.lib.cudaGetErrorName(err).decode()} ({err})")
+
+
+class CudaBackend(GpuBackend):
+    name = "cuda"
+    vendor = "nvidia"
+    default_block_quota = 16  # H200: 16 blocks of 512 reach the PCIe ceiling (DESIGN.md)
+    vendor_kernel = KERNEL_SOURCE
+    code_suffix = "cubin"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if getattr(torch.version, "hip", None) or not getattr(torch.version, "cuda", None):
+            return "torch is not a CUDA build"
+        if not torch.cuda.is_available():
+            return "no CUDA GPU is visible"
+        if importlib.util.find_spec("cuda.bindings") is None:
+            return "cuda-python is not installed (pip install 'portable-kv[cuda]')"
+        return None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.driver, self.nvrtc = bindings()
+        self.runtime = CudaRuntime()
+        self._thread = threading.local()
+
+    def arch(self) -> str:
+        major, minor = torch.cuda.get_device_capability(self.device)
+        return f"sm_{major}{minor}"
+
+    def compiler_version(self) -> str:
+        major, minor = check(self.nvrtc.nvrtcVersion(), "nvrtcVersion")
+        return f"nvrtc {major}.{minor}"
+
+    def compile(self, arch: str) -> bytes:
+        return nvrtc_compile(self.nvrtc, arch)
+
+    def load(self, image: bytes) -> dict[int, object]:
+        self.bind_thread()
+        module = check(self.driver.cuModuleLoadData(image), "cuModuleLoadData")
+        return {w: check(self.driver.cuModuleGetFunction(module, f"pkv_copy_{w}".encode()), "cuModuleGetFunction") for w in KERNEL_WIDTHS}
+
+    def launch(self, kernel: object, grid: int, block: int, params: int, stream: int) -> None:
+        check(self.driver.cuLaunchKernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, 0), "cuLaunchKernel")
+
+    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
+        for piece in split_batch(batch, self.max_batch):
+            self.runtime.memcpy_batch(piece, stream)
+
+    def bind_thread(self) -> None:
+        # The driver API needs the primary context current on each calling thread;
+        # torch makes it current only on threads that touched the runtime.
+        if getattr(self._thread, "bound", False):
+            return
+        device = check(self.driver.cuDeviceGet(self.device.index), "cuDeviceGet")
+        context = check(self.driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        check(self.driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        self._thread.bound = True
+
+    def describe(self) -> dict[str, str]:
+        facts = super().describe()
+        facts["cuda runtime"] = f"{self.runtime.version // 1000}.{self.runtime.version % 1000 // 10}"
+        facts["direct"] = "cudaMemcpyBatchAsync" if self.runtime.has_batch else "cudaMemcpyAsync loop"
+        return facts
+
+
+def nvrtc_compile(nvrtc, arch: str) -> bytes:
+    """NVRTC: the vendor source to a cubin for `arch` (no GPU needed)."""
+    source = KERNEL_SOURCE.read_bytes()
+    program = check(nvrtc.nvrtcCreateProgram(source, KERNEL_SOURCE.name.encode(), 0, [], []), "nvrtcCreateProgram")
+    options = [f"--gpu-architecture={arch}".encode(), f"--include-path={COMMON_KERNEL_DIR}".encode(), b"--std=c++17"]
+    try:
+        err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        if int(err) != 0:
+            size = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
+            raise BackendUnavailable(f"NVRTC failed to compile {KERNEL_SOURCE.name} for {arch}:\n{log.decode(errors='replace')}")
+        size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def nvcc_build(out_dir: Path, archs: tuple[str, ...] = AOT_ARCHS, nvcc: str | None = None) -> list[Path]:
+    """Ahead of time: one cubin per arch with nvcc, named so that the loader prefers it."""
+    from .gpu import code_object_name
+
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise BackendUnavailable("nvcc was not found on PATH; install the CUDA toolkit or rely on NVRTC at first use")
+    written = []
+    for arch in archs:
+        out = out_dir / code_object_name(KERNEL_SOURCE, arch, "cubin")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-std=c++17", f"-I{COMMON_KERNEL_DIR}", "-o", str(out), str(KERNEL_SOURCE)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BackendUnavailable(f"nvcc failed for {arch}: {' '.join(cmd)}\n{result.stderr}")
+        written.append(out)
+    return written
+
+
+__all__ = ["CudaBackend", "nvcc_build", "nvrtc_compile"]

@@ -1,0 +1,334 @@
+"""What the CUDA and ROCm backends share: kernel arguments, launch geometry,
+the kernel cache, batched DMA and the error flag.
+
+A vendor backend (cuda.py, rocm.py) adds only its runtime calls: compile,
+load, launch, and the batched memcpy entry point.  Both are written as
+twins: the same methods, in the same order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import threading
+from abc import abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..plan import CopyBatch, TensorPair, Transfer, copy_batch
+from .base import Backend, BackendUnavailable
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+COMMON_KERNEL_DIR = PACKAGE_DIR / "kernels_common"
+KERNEL_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; one entry point each (kv_copy.h)
+BLOCK = 512  # threads per block: PKV_BLOCK in kv_copy.h
+UNROLL = 4  # vectors in flight per thread: PKV_UNROLL in kv_copy.h
+
+
+class TensorJob(ctypes.Structure):
+    """Mirror of PkvTensorJob (kernels_common/kv_copy.h)."""
+
+    _fields_ = [
+        ("host_base", ctypes.c_uint64),
+        ("device_layers", ctypes.c_uint64),
+        ("host_page", ctypes.c_int64),
+        ("host_token", ctypes.c_int64),
+        ("host_layer", ctypes.c_int64),
+        ("host_group", ctypes.c_int64),
+        ("device_token", ctypes.c_int64),
+        ("device_group", ctypes.c_int64),
+        ("host_tokens", ctypes.c_int64),
+        ("device_tokens", ctypes.c_int64),
+        ("chunk_bytes", ctypes.c_int64),
+        ("groups", ctypes.c_int64),
+        ("vec_begin", ctypes.c_int64),
+    ]
+
+
+class CopyArgs(ctypes.Structure):
+    """Mirror of PkvCopyArgs: the kernel's one by-value parameter."""
+
+    _fields_ = [
+        ("job", TensorJob * 2),
+        ("host_indices", ctypes.c_uint64),
+        ("device_indices", ctypes.c_uint64),
+        ("error_flag", ctypes.c_uint64),
+        ("tokens", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("layer_begin", ctypes.c_int64),
+        ("layers", ctypes.c_int64),
+        ("total_vecs", ctypes.c_int64),
+        ("to_device", ctypes.c_int64),
+    ]
+
+
+def access_width(*values: int) -> int:
+    """The widest access (16, 8, 4, 2 or 1 bytes) that every address and size is aligned to."""
+    common = math.gcd(*values) if values else 16
+    return next(w for w in KERNEL_WIDTHS if common % w == 0)
+
+
+def grid_size(total_vecs: int, block_quota: int) -> int:
+    """A persistent grid: no more blocks than the quota, none without work."""
+    return max(1, min(block_quota, -(-total_vecs // (BLOCK * UNROLL))))
+
+
+class LayerTable:
+    """Per-layer base addresses of an engine's device buffers, resident on the device."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> None:
+        addresses = [t.data_ptr() for t in buffers]
+        self.addresses = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.alignment = math.gcd(*addresses)
+        self.key = tuple(map(id, buffers))
+
+
+def kernel_sources(vendor_file: Path) -> list[Path]:
+    return [vendor_file, COMMON_KERNEL_DIR / "kv_copy.h"]
+
+
+def source_hash(vendor_file: Path) -> str:
+    digest = hashlib.sha256()
+    for path in kernel_sources(vendor_file):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: $PORTABLE_KV_CACHE, else the user's cache directory."""
+    configured = os.environ.get("PORTABLE_KV_CACHE")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "portable_kv"
+
+
+def prebuilt_dirs() -> list[Path]:
+    dirs = [PACKAGE_DIR / "prebuilt"]
+    if os.environ.get("PORTABLE_KV_PREBUILT"):
+        dirs.insert(0, Path(os.environ["PORTABLE_KV_PREBUILT"]))
+    return dirs
+
+
+def code_object_name(vendor_file: Path, arch: str, suffix: str) -> str:
+    """File name of a compiled kernel: the source hash and arch decide its content."""
+    return f"kv_copy-{source_hash(vendor_file)}.{arch}.{suffix}"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class GpuBackend(Backend):
+    """The transfer logic of a GPU vendor backend; subclasses provide the runtime calls."""
+
+    default_block_quota: int
+    vendor_kernel: Path  # the vendor's kv_copy source
+    code_suffix: str  # "cubin" | "hsaco"
+    max_batch: int | None = None  # descriptors per batched memcpy call
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block_quota = int(os.environ.get("PORTABLE_KV_BLOCKS", self.default_block_quota))
+        self._kernels: dict[int, object] | None = None
+        self._load_lock = threading.Lock()
+        self._local = threading.local()
+        self._tables: dict[tuple, LayerTable] = {}
+        # A bad index found by a kernel is reported through mapped host memory:
+        # the host reads it without synchronising.
+        self._error_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._error_view = self._error_flag.numpy()
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    # -- vendor hooks (cuda.py / rocm.py) -----------------------------------------
+
+    @abstractmethod
+    def arch(self) -> str:
+        """The device's code-object target: "sm_90", "gfx942", ..."""
+
+    @abstractmethod
+    def compiler_version(self) -> str: ...
+
+    @abstractmethod
+    def compile(self, arch: str) -> bytes:
+        """Compile the vendor kernel source at run time (NVRTC / hiprtc)."""
+
+    @abstractmethod
+    def load(self, image: bytes) -> dict[int, object]:
+        """Load a code object; return the entry point of each access width."""
+
+    @abstractmethod
+    def launch(self, kernel: object, grid: int, block: int, params: int, stream: int) -> None:
+        """Launch with `params` the address of the kernel's void* argument array."""
+
+    @abstractmethod
+    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
+        """Enqueue every chunk of `batch` on `stream` (never the legacy default stream)."""
+
+    def bind_thread(self) -> None:
+        """Make the device's context current on this thread, where the runtime needs it."""
+
+    # -- code objects ---------------------------------------------------------------
+
+    def code_object(self) -> bytes:
+        """Ahead-of-time build if one matches the source and arch, else a cached run-time compile."""
+        arch = self.arch()
+        name = code_object_name(self.vendor_kernel, arch, self.code_suffix)
+        for directory in prebuilt_dirs():
+            if (directory / name).is_file():
+                return (directory / name).read_bytes()
+        cached = cache_dir() / f"{Path(name).stem}-{_short(self.compiler_version())}.{self.code_suffix}"
+        if cached.is_file():
+            return cached.read_bytes()
+        image = self.compile(arch)
+        write_atomic(cached, image)
+        return image
+
+    def kernels(self) -> dict[int, object]:
+        if self._kernels is None:
+            with self._load_lock:
+                if self._kernels is None:
+                    self._kernels = self.load(self.code_object())
+        return self._kernels
+
+    # -- transfers ---------------------------------------------------------------------
+
+    def transfer(self, transfer: Transfer, io_backend: str) -> None:
+        self.check_errors()
+        if io_backend == "kernel":
+            self._kernel_transfer(transfer)
+        else:
+            self._direct_transfer(transfer)
+
+    def check_errors(self) -> None:
+        """Raise if a kernel met an index outside its pool since the last check."""
+        if self._error_view[0]:
+            self._error_view[0] = 0
+            raise RuntimeError(
+                "portable_kv: an earlier transfer met token indices outside the pools and skipped them "
+                "(nothing outside the pools was written); validate indices, or keep validate=True"
+            )
+
+    def _layer_table(self, buffers: Sequence[torch.Tensor]) -> LayerTable:
+        key = tuple(map(id, buffers))
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) > 64:  # engines hold a few pools; a leak guard, not a policy
+                self._tables.clear()
+            table = self._tables[key] = LayerTable(buffers, self.device)
+        return table
+
+    def _args(self) -> tuple[CopyArgs, int]:
+        local = self._local
+        if not hasattr(local, "args"):
+            self.bind_thread()
+            local.args = CopyArgs()
+            local.params = (ctypes.c_void_p * 1)(ctypes.addressof(local.args))
+        return local.args, ctypes.addressof(local.params)
+
+    def kernel_args(self, transfer: Transfer, host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple[CopyArgs, int, int]:
+        """Fill this thread's argument struct; returns it, the access width and the vector count."""
+        args, params = self._args()
+        tables = [self._layer_table(pair.device) for pair in transfer.pairs]
+        width = access_width(*(_alignment_terms(pair, table) for pair, table in zip(transfer.pairs, tables)))
+        layers = len(transfer.layers)
+        begin = 0
+        for job, pair, table in zip(args.job, transfer.pairs, tables):
+            s, c = pair.strides, pair.chunks
+            job.host_base = pair.host.data_ptr()
+            job.device_layers = table.addresses.data_ptr()
+            job.host_page, job.host_token, job.host_layer, job.host_group = s.page, s.token, s.layer, c.host_group
+            job.device_token, job.device_group = pair.device_token_bytes, c.device_group
+            job.host_tokens = s.tokens
+            job.device_tokens = pair.device[0].shape[0]
+            job.chunk_bytes, job.groups = c.chunk_bytes, c.groups
+            job.vec_begin = begin
+            begin += transfer.tokens * layers * c.groups * (c.chunk_bytes // width)
+        args.host_indices, args.device_indices = host_indices.data_ptr(), device_indices.data_ptr()
+        args.error_flag = self._error_flag.data_ptr()
+        args.tokens, args.page_size = transfer.tokens, transfer.page_size
+        args.layer_begin, args.layers = transfer.layers.start, layers
+        args.total_vecs, args.to_device = begin, int(transfer.to_device)
+        return args, params, width
+
+    def _kernel_transfer(self, transfer: Transfer) -> None:
+        host_indices, device_indices = transfer.indices.on(self.device)
+        args, params, width = self.kernel_args(transfer, host_indices, device_indices)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.launch(self.kernels()[width], grid_size(args.total_vecs, self.block_quota), BLOCK, params, stream)
+
+    def _direct_transfer(self, transfer: Transfer) -> None:
+        batch = copy_batch(transfer)
+        current = torch.cuda.current_stream(self.device)
+        if current.cuda_stream != 0:
+            self.memcpy_batch(batch, current.cuda_stream)
+            return
+        # The batch APIs reject the legacy default stream: run on a side stream
+        # ordered after, and before, everything on the default stream.
+        side = self._side_stream()
+        side.wait_stream(current)
+        self.memcpy_batch(batch, side.cuda_stream)
+        current.wait_stream(side)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        local = self._local
+        if not hasattr(local, "side_stream"):
+            local.side_stream = torch.cuda.Stream(self.device)
+        return local.side_stream
+
+    def describe(self) -> dict[str, str]:
+        facts = {"arch": self.arch(), "compiler": self.compiler_version(), "block_quota": str(self.block_quota)}
+        try:
+            self.kernels()
+            facts["kernels"] = "loaded"
+        except BackendUnavailable as exc:
+            facts["kernels"] = f"unavailable: {exc}"
+        return facts
+
+
+def _alignment_terms(pair: TensorPair, table: LayerTable) -> int:
+    s, c = pair.strides, pair.chunks
+    return math.gcd(pair.host.data_ptr(), table.alignment, s.page, s.token, s.layer, c.host_group,
+                    pair.device_token_bytes, c.device_group, c.chunk_bytes)
+
+
+def _short(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def split_batch(batch: CopyBatch, limit: int | None) -> list[CopyBatch]:
+    """Pieces of at most `limit` descriptors (ROCm faults above 8192 on some parts)."""
+    if limit is None or len(batch) <= limit:
+        return [batch]
+    return [
+        CopyBatch(batch.dst[i : i + limit], batch.src[i : i + limit], batch.sizes[i : i + limit])
+        for i in range(0, len(batch), limit)
+    ]
+
+
+def find_loaded_library(stem: str) -> str | None:
+    """The path of an already-loaded shared library (torch's own runtime), by file-name stem."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                if Path(path).name.startswith(stem + ".so"):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def as_pointer_array(values: np.ndarray) -> int:
+    """The address of a contiguous uint64 array, for ctypes calls taking void** / size_t*."""
+    assert values.dtype == np.uint64 and values.flags.c_contiguous
+    return values.ctypes.data

@@ -1,0 +1,146 @@
+"""A transfer, and its plan for copy engines: indices -> (dst, src, bytes) chunks.
+
+The kernel io backends compute the same offsets inside the kernel from the
+indices and the strides; this module builds them on the host, vectorised,
+for the DMA path (one batched memcpy call) and for the CPU backend's `direct`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import Chunking, HostStrides, chunking, host_strides
+
+
+@dataclass(frozen=True)
+class TensorPair:
+    """One of K or V on both sides of a transfer."""
+
+    host: torch.Tensor  # the host pool buffer, in its layout
+    layout: str
+    device: Sequence[torch.Tensor]  # per-layer device buffers, (tokens, heads, dim)
+    strides: HostStrides
+    chunks: Chunking
+
+    @property
+    def device_token_bytes(self) -> int:
+        return self.strides.row_bytes * self.strides.heads
+
+
+def tensor_pair(host: torch.Tensor, device: Sequence[torch.Tensor], layout: str, page_size: int) -> TensorPair:
+    strides = host_strides(host, layout, page_size)
+    return TensorPair(host, layout, device, strides, chunking(strides))
+
+
+class IndexPair:
+    """Validated host/device token indices (int64), with their copies on other devices cached.
+
+    Engines pass the same index tensors to every per-layer call, so a copy
+    made for one layer serves the other layers.
+    """
+
+    def __init__(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        self._by_device = {host.device: (host, device)}
+        self.tokens = int(host.numel())
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        device = torch.device(device)
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, torch.cuda.current_device())
+        pair = self._by_device.get(device)
+        if pair is None:
+            host, dev = next(iter(self._by_device.values()))
+            pair = (host.to(device, non_blocking=True), dev.to(device, non_blocking=True))
+            self._by_device[device] = pair
+        return pair
+
+    def numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        host, dev = self.on(torch.device("cpu"))
+        return host.numpy(), dev.numpy()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One validated call: which tokens, which layers, which way, K and V."""
+
+    to_device: bool
+    pairs: tuple[TensorPair, TensorPair]  # K, V
+    indices: IndexPair
+    layers: range
+    page_size: int
+
+    @property
+    def tokens(self) -> int:
+        return self.indices.tokens
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.tokens * len(self.layers) * p.device_token_bytes for p in self.pairs)
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """Chunks for a copy engine: parallel arrays of byte addresses and sizes."""
+
+    dst: np.ndarray  # uint64
+    src: np.ndarray  # uint64
+    sizes: np.ndarray  # uint64
+
+    def __len__(self) -> int:
+        return int(self.sizes.size)
+
+
+def token_runs(host_idx: np.ndarray, dev_idx: np.ndarray, pair: TensorPair, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of the runs that are consecutive, and contiguous, on both sides."""
+    n = host_idx.size
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    s, c = pair.strides, pair.chunks
+    mergeable = c.groups == 1 and s.token == c.chunk_bytes and pair.device_token_bytes == c.chunk_bytes
+    if not mergeable:
+        return np.arange(n, dtype=np.int64), np.ones(n, np.int64)
+    follows = (np.diff(host_idx) == 1) & (np.diff(dev_idx) == 1)
+    if s.page != page_size * s.token:  # pages are not adjacent on the host: a run ends with its page
+        follows &= host_idx[1:] % page_size != 0
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    return starts, np.diff(np.append(starts, n))
+
+
+def copy_batch(transfer: Transfer) -> CopyBatch:
+    """All chunks of a transfer, K then V, each run merged, as one batch."""
+    host_idx, dev_idx = transfer.indices.numpy()
+    layers = np.asarray(transfer.layers, dtype=np.int64)
+    P = transfer.page_size
+    dst, src, sizes = [], [], []
+    for pair in transfer.pairs:
+        s, c = pair.strides, pair.chunks
+        starts, lengths = token_runs(host_idx, dev_idx, pair, P)
+        h, d = host_idx[starts], dev_idx[starts]
+        groups = np.arange(c.groups, dtype=np.int64)
+        layer_base = np.array([pair.device[int(l)].data_ptr() for l in layers], dtype=np.int64)
+        # Broadcast to (layer, group, run).
+        host_addr = (
+            pair.host.data_ptr()
+            + layers[:, None, None] * s.layer
+            + groups[None, :, None] * c.host_group
+            + ((h // P) * s.page + (h % P) * s.token)[None, None, :]
+        )
+        dev_addr = (
+            layer_base[:, None, None]
+            + groups[None, :, None] * c.device_group
+            + (d * pair.device_token_bytes)[None, None, :]
+        )
+        size = np.broadcast_to((lengths * c.chunk_bytes)[None, None, :], host_addr.shape)
+        to, frm = (dev_addr, host_addr) if transfer.to_device else (host_addr, dev_addr)
+        dst.append(to.ravel())
+        src.append(frm.ravel())
+        sizes.append(size.ravel())
+    return CopyBatch(
+        np.concatenate(dst).astype(np.uint64),
+        np.concatenate(src).astype(np.uint64),
+        np.concatenate(sizes).astype(np.uint64),
+    )

@@ -1,0 +1,422 @@
+"""DeviceKVPool and AsymmetricHostPool (API.md): allocation, validation, dispatch.
+
+Every public transfer validates all of its input before a byte moves, then
+hands one `Transfer` to the bound backend.  Validation results are cached
+for the index tensors an engine passes to every per-layer call, so a model's
+48 per-layer loads validate their indices once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import backends
+from .backends.base import IO_BACKENDS, Backend
+from .layout import LAYOUTS, PAGE_LAYOUTS, canonical_view, check_layout, host_shape
+from .plan import IndexPair, Transfer, tensor_pair
+
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+class DeviceKVPool:
+    """Per-layer K and V buffers on the device: (tokens, heads, head_dim) each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_tokens: int,
+        page_size: int,
+        k_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        v_heads: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_tokens", num_tokens),
+            ("page_size", page_size),
+            ("k_heads", k_heads),
+            ("k_head_dim", k_head_dim),
+            ("v_head_dim", v_head_dim),
+        ):
+            _positive_int(name, value)
+        v_heads = k_heads if v_heads is None else _positive_int("v_heads", v_heads)
+        if num_tokens % page_size:
+            raise ValueError(f"num_tokens: expected a multiple of page_size={page_size}, got {num_tokens}")
+        device = torch.device(device) if device is not None else backends.current().device
+        self.k_buffer = [torch.zeros(num_tokens, k_heads, k_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.zeros(num_tokens, v_heads, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.page_size = page_size
+        self._describe()
+
+    @classmethod
+    def from_buffers(cls, k_buffer: Sequence[torch.Tensor], v_buffer: Sequence[torch.Tensor], page_size: int) -> DeviceKVPool:
+        """Wrap an engine's per-layer buffers; never copies."""
+        pool = cls.__new__(cls)
+        pool.k_buffer, pool.v_buffer = list(k_buffer), list(v_buffer)
+        pool.page_size = _positive_int("page_size", page_size)
+        pool._describe()
+        return pool
+
+    def _describe(self) -> None:
+        geometry = _device_geometry(self)
+        self.layer_num, self.size = geometry.layers, geometry.tokens
+        self.dtype, self.device = geometry.dtype, geometry.device
+
+
+class _DeviceGeometry:
+    """What a (possibly duck-typed) device pool looks like, checked once."""
+
+    def __init__(self, pool: Any) -> None:
+        k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
+        if not isinstance(k, Sequence) or not isinstance(v, Sequence) or not k or len(k) != len(v):
+            raise TypeError("device_pool: expected k_buffer and v_buffer, equal-length lists of per-layer tensors")
+        first_k, first_v = k[0], v[0]
+        for side, buffers, first in (("k_buffer", k, first_k), ("v_buffer", v, first_v)):
+            for layer, t in enumerate(buffers):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"device_pool.{side}[{layer}]: expected a torch.Tensor, got {type(t).__name__}")
+                if t.dim() != 3 or t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                    raise ValueError(
+                        f"device_pool.{side}[{layer}]: expected shape {tuple(first.shape)}, dtype {first.dtype} on {first.device} "
+                        f"like layer 0, got {tuple(t.shape)}, {t.dtype} on {t.device}"
+                    )
+                if not t.is_contiguous():
+                    raise ValueError(f"device_pool.{side}[{layer}]: expected a contiguous (tokens, heads, head_dim) tensor")
+        if first_k.shape[0] != first_v.shape[0] or first_k.dtype != first_v.dtype or first_k.device != first_v.device:
+            raise ValueError("device_pool: k_buffer and v_buffer must agree in tokens, dtype and device")
+        self.layers, self.tokens = len(k), int(first_k.shape[0])
+        self.k_heads, self.k_dim = int(first_k.shape[1]), int(first_k.shape[2])
+        self.v_heads, self.v_dim = int(first_v.shape[1]), int(first_v.shape[2])
+        self.dtype, self.device = first_k.dtype, first_k.device
+        self.key = _pool_key(pool)
+
+
+def _pool_key(pool: Any) -> tuple:
+    # The identity of every per-layer tensor: an engine that swaps a buffer gets it re-checked.
+    return (id(pool), tuple(map(id, pool.k_buffer)), tuple(map(id, pool.v_buffer)))
+
+
+_geometry_cache: dict[int, _DeviceGeometry] = {}
+
+
+def _device_geometry(pool: Any) -> _DeviceGeometry:
+    cached = _geometry_cache.get(id(pool))
+    if cached is not None and hasattr(pool, "k_buffer") and cached.key == _pool_key(pool):
+        return cached
+    geometry = _DeviceGeometry(pool)
+    _geometry_cache[id(pool)] = geometry
+    return geometry
+
+
+class AsymmetricHostPool:
+    """The host tier: K and V pages in (page-locked) host memory, in one of four layouts."""
+
+    def __init__(
+        self,
+        device_pool: Any,
+        host_to_device_ratio: float = 2.0,
+        host_size_gb: float = 0,
+        layout: str = "page_first_direct",
+        io_backend: str = "direct",
+        pin_memory: bool = True,
+        validate: bool = True,
+    ) -> None:
+        self.backend: Backend = backends.current()
+        self.layout = check_layout(layout)
+        self.io_backend = self._check_io(io_backend)
+        geometry = _device_geometry(device_pool)
+        self._geometry = geometry
+        self.page_size = _positive_int("device_pool.page_size", getattr(device_pool, "page_size", 0))
+        self.layer_num, self.dtype = geometry.layers, geometry.dtype
+        self.validate = validate
+        token_bytes = self.layer_num * (geometry.k_heads * geometry.k_dim + geometry.v_heads * geometry.v_dim) * _itemsize(self.dtype)
+        if host_size_gb and host_size_gb > 0:
+            tokens = int(host_size_gb * 1e9 // token_bytes)
+        else:
+            if not host_to_device_ratio or host_to_device_ratio <= 0:
+                raise ValueError(f"host_to_device_ratio: expected > 0 (or host_size_gb > 0), got {host_to_device_ratio}")
+            tokens = int(math.ceil(host_to_device_ratio * geometry.tokens))
+        self.page_num = max(1, -(-tokens // self.page_size))
+        self.size = self.page_num * self.page_size
+        self.pin_memory = bool(pin_memory) and self.backend.pins_memory
+        if self.io_backend == "kernel" and self.backend.device.type != "cpu" and not self.pin_memory:
+            raise ValueError("io_backend='kernel': GPU threads read host memory directly, which needs pin_memory=True")
+        _check_host_memory(self.size * token_bytes)
+        shape_k = host_shape(layout, self.layer_num, self.page_num, self.page_size, geometry.k_heads, geometry.k_dim)
+        shape_v = host_shape(layout, self.layer_num, self.page_num, self.page_size, geometry.v_heads, geometry.v_dim)
+        self.k_buffer = self._allocate(shape_k)
+        self.v_buffer = self._allocate(shape_v)
+        self.closed = False
+        self._validated: tuple | None = None
+
+    # -- allocation -----------------------------------------------------------------
+
+    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
+        try:
+            return self.backend.allocate_host(shape, self.dtype, self.pin_memory)
+        except RuntimeError as exc:
+            nbytes = math.prod(shape) * _itemsize(self.dtype)
+            raise MemoryError(
+                f"host pool: page-locking {nbytes / 1e9:.2f} GB was refused ({exc}); lower host_size_gb or "
+                "host_to_device_ratio, raise the locked-memory limit (ulimit -l), or pass pin_memory=False with io_backend='direct'"
+            ) from exc
+
+    # -- transfers (API.md) ------------------------------------------------------------
+
+    def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, io_backend: str | None = None) -> None:
+        self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), True, io_backend)
+
+    def load_to_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
+        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), True, io_backend)
+
+    def backup_from_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, io_backend: str | None = None) -> None:
+        self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), False, io_backend)
+
+    def backup_from_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
+        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), False, io_backend)
+
+    def _transfer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: range, to_device: bool, io_backend: str | None) -> None:
+        self._check_open()
+        io = self.io_backend if io_backend is None else self._check_io(io_backend)
+        geometry = self._check_device_pool(device_pool)
+        indices = self._indices(host_indices, device_indices, geometry.tokens, to_device)
+        transfer = Transfer(
+            to_device=to_device,
+            pairs=(
+                tensor_pair(self.k_buffer, device_pool.k_buffer, self.layout, self.page_size),
+                tensor_pair(self.v_buffer, device_pool.v_buffer, self.layout, self.page_size),
+            ),
+            indices=indices,
+            layers=layers,
+            page_size=self.page_size,
+        )
+        if transfer.tokens:
+            self.backend.transfer(transfer, io)
+
+    # -- validation --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("host pool: the pool is closed")
+
+    def _check_io(self, io_backend: str) -> str:
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend: expected one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
+        if io_backend not in self.backend.io_backends:
+            raise ValueError(f"io_backend: backend {self.backend.name!r} offers {', '.join(self.backend.io_backends)}, got {io_backend!r}")
+        return io_backend
+
+    def _layer(self, layer_id: int) -> range:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)):
+            raise TypeError(f"layer_id: expected an int, got {type(layer_id).__name__}")
+        if not 0 <= layer_id < self.layer_num:
+            raise ValueError(f"layer_id: expected 0 <= layer_id < {self.layer_num}, got {layer_id}")
+        return range(int(layer_id), int(layer_id) + 1)
+
+    def _check_device_pool(self, device_pool: Any) -> _DeviceGeometry:
+        g, mine = _device_geometry(device_pool), self._geometry
+        if (g.layers, g.k_heads, g.k_dim, g.v_heads, g.v_dim) != (mine.layers, mine.k_heads, mine.k_dim, mine.v_heads, mine.v_dim):
+            raise ValueError(
+                "device_pool: expected "
+                f"{mine.layers} layers, K {mine.k_heads}x{mine.k_dim}, V {mine.v_heads}x{mine.v_dim} (this host pool's), got "
+                f"{g.layers} layers, K {g.k_heads}x{g.k_dim}, V {g.v_heads}x{g.v_dim}"
+            )
+        if g.dtype != self.dtype:
+            raise TypeError(f"device_pool: expected dtype {self.dtype} (this host pool's), got {g.dtype}")
+        if g.device.type != self.backend.device.type:
+            raise ValueError(f"device_pool: expected buffers on {self.backend.device.type} (backend {self.backend.name!r}), got {g.device}")
+        return g
+
+    def _indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor, device_tokens: int, to_device: bool) -> IndexPair:
+        host = _index_tensor("host_indices", host_indices)
+        dev = _index_tensor("device_indices", device_indices)
+        if host.numel() != dev.numel():
+            raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
+        key = (host, host._version, dev, dev._version, device_tokens, to_device)
+        cached = self._validated
+        if cached is not None and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(cached[0], key)):
+            return cached[1]
+        if host.device != dev.device:
+            dev = dev.to(host.device)
+        pair = IndexPair(host.long(), dev.long())
+        if self.validate:
+            host_np, dev_np = pair.numpy()  # GPU-resident indices: one copy, which synchronises
+            _check_range("host_indices", host_np, self.size)
+            _check_range("device_indices", dev_np, device_tokens)
+            if self.layout in PAGE_LAYOUTS:
+                _check_whole_pages("host_indices", host_np, self.page_size, self.layout)
+                _check_whole_pages("device_indices", dev_np, self.page_size, self.layout)
+            # Two writes to one slot would race on a GPU: the result would depend on timing.
+            _check_unique("device_indices" if to_device else "host_indices", dev_np if to_device else host_np)
+        self._validated = (key, pair)
+        return pair
+
+    # -- pages for storage tiers -------------------------------------------------------
+
+    def _page(self, name: str, index: int) -> int:
+        if isinstance(index, torch.Tensor) and index.numel() == 1:
+            index = int(index.item())
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int token index, got {type(index).__name__}")
+        if not 0 <= index < self.size or index % self.page_size:
+            raise ValueError(f"{name}: expected the first token of a page (a multiple of {self.page_size} in [0, {self.size})), got {index}")
+        return int(index) // self.page_size
+
+    def _page_views(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # (page, token, layer, head, dim) -> the page's (layer, token, head, dim)
+        return tuple(canonical_view(b, self.layout, self.page_size)[page].transpose(0, 1) for b in (self.k_buffer, self.v_buffer))
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the page whose first token is `index`: flat (K then V), or (K, V) as (L, P, H, D)."""
+        self._check_open()
+        k, v = self._page_views(self._page("index", index))
+        if not flat:
+            return k.clone(), v.clone()
+        return torch.cat((k.reshape(-1), v.reshape(-1)))
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self._check_open()
+        page = self._page("index", index)
+        expected = self.flat_page_numel
+        if not isinstance(data_page, torch.Tensor):
+            raise TypeError(f"data_page: expected a torch.Tensor, got {type(data_page).__name__}")
+        if data_page.dtype != self.dtype:
+            raise TypeError(f"data_page: expected dtype {self.dtype}, got {data_page.dtype}")
+        if data_page.dim() != 1 or data_page.numel() != expected:
+            raise ValueError(f"data_page: expected a 1-D tensor of {expected} elements, got shape {tuple(data_page.shape)}")
+        k, v = self._page_views(page)
+        data_page = data_page.cpu()
+        k.copy_(data_page[: k.numel()].view(k.shape))
+        v.copy_(data_page[k.numel() :].view(v.shape))
+
+    @property
+    def flat_page_numel(self) -> int:
+        g = self._geometry
+        return self.layer_num * self.page_size * (g.k_heads * g.k_dim + g.v_heads * g.v_dim)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self.flat_page_numel, dtype=self.dtype)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor | Sequence[int]) -> tuple[list[int], list[int]]:
+        """Zero-copy page addresses for storage tiers: [k0, v0, k1, v1, ...] pointers and byte sizes."""
+        self._check_open()
+        if self.layout not in PAGE_LAYOUTS:
+            raise ValueError(f"get_page_buffer_meta: defined for layouts {', '.join(PAGE_LAYOUTS)} (a page's K and V blocks contiguous), this pool is {self.layout!r}")
+        values = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        pages = [self._page("indices", i) for i in values]
+        k_bytes = self.k_buffer[0].numel() * self.k_buffer.element_size()
+        v_bytes = self.v_buffer[0].numel() * self.v_buffer.element_size()
+        ptrs, sizes = [], []
+        for page in pages:
+            ptrs += [self.k_buffer.data_ptr() + page * k_bytes, self.v_buffer.data_ptr() + page * v_bytes]
+            sizes += [k_bytes, v_bytes]
+        return ptrs, sizes
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the host memory, after every transfer already enqueued has finished."""
+        if self.closed:
+            return
+        self.backend.synchronize()
+        self.closed = True
+        self.k_buffer = self.v_buffer = None
+        self._validated = None
+
+    def __enter__(self) -> AsymmetricHostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"AsymmetricHostPool(layout={self.layout!r}, io_backend={self.io_backend!r}, backend={self.backend.name!r}, "
+            f"tokens={self.size}, page_size={self.page_size}, layers={self.layer_num}, dtype={self.dtype})"
+        )
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _index_tensor(name: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a 1-D torch.Tensor of int64 or int32, got {type(value).__name__}")
+    if value.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected dtype int64 or int32, got {value.dtype}")
+    if value.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(value.shape)}")
+    return value
+
+
+def _check_range(name: str, values: np.ndarray, limit: int) -> None:
+    if values.size == 0:
+        return
+    low, high = int(values.min()), int(values.max())
+    if low < 0:
+        raise ValueError(f"{name}: expected indices >= 0, got {low}")
+    if high >= limit:
+        raise ValueError(f"{name}: expected indices < {limit} (the pool's tokens), got {high}")
+
+
+def _check_whole_pages(name: str, values: np.ndarray, page_size: int, layout: str) -> None:
+    if values.size % page_size:
+        raise ValueError(f"{name}: layout {layout!r} moves whole pages: expected a length divisible by page_size={page_size}, got {values.size}")
+    pages = values.reshape(-1, page_size)
+    if (pages[:, 0] % page_size).any():
+        bad = int(pages[(pages[:, 0] % page_size) != 0][0, 0])
+        raise ValueError(f"{name}: layout {layout!r} moves whole pages: each run of {page_size} must start at a multiple of {page_size}, got {bad}")
+    if page_size > 1 and (np.diff(pages, axis=1) != 1).any():
+        row = int(np.flatnonzero((np.diff(pages, axis=1) != 1).any(axis=1))[0])
+        raise ValueError(f"{name}: layout {layout!r} moves whole pages: run {row} is not {page_size} consecutive tokens")
+
+
+def _check_unique(name: str, values: np.ndarray) -> None:
+    if np.unique(values).size != values.size:
+        raise ValueError(f"{name}: expected distinct destination slots, got duplicates (two writes to one slot race)")
+
+
+HOST_MEMORY_RESERVE = 2 << 30  # left to the OS and the engine, as engines do before pinning
+
+
+def _check_host_memory(nbytes: int) -> None:
+    available = _available_host_memory()
+    reserve = int(os.environ.get("PORTABLE_KV_HOST_RESERVE", HOST_MEMORY_RESERVE))
+    if available is not None and nbytes > available - reserve:
+        raise MemoryError(
+            f"host pool: {nbytes / 1e9:.2f} GB requested but {available / 1e9:.2f} GB available "
+            f"with {reserve / 1e9:.2f} GB kept in reserve; lower host_size_gb or host_to_device_ratio"
+        )
+
+
+def _available_host_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+__all__ = ["AsymmetricHostPool", "DeviceKVPool", "LAYOUTS"]

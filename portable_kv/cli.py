@@ -59,9 +59,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.vendor == "cuda":
-        from .backends.cuda import AOT_ARCHS as archs, nvcc_build as build
+        from .backends.cuda import AOT_ARCHS as archs
+        from .backends.cuda import nvcc_build as build
     else:
-        from .backends.rocm import AOT_ARCHS as archs, clang_build as build
+        from .backends.rocm import AOT_ARCHS as archs
+        from .backends.rocm import clang_build as build
     written = build(out, tuple(args.arch.split(",")) if args.arch else archs)
     for path in written:
         print(path)

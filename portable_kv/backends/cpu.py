@@ -38,10 +38,20 @@ class CpuBackend(Backend):
         _, dev_idx = transfer.indices.on(transfer.pairs[0].device[0].device)
         page, offset = host_idx // P, host_idx % P
         for pair in transfer.pairs:
-            view = canonical_view(pair.host, pair.layout, P)
+            view = _as_bits(canonical_view(pair.host, pair.layout, P))
             for layer in transfer.layers:
+                device = _as_bits(pair.device[layer])
                 if transfer.to_device:
-                    pair.device[layer][dev_idx] = view[page, offset, layer].to(pair.device[layer].device)
+                    device[dev_idx] = view[page, offset, layer].to(device.device)
                 else:
-                    view[page, offset, layer] = pair.device[layer][dev_idx].cpu()
+                    view[page, offset, layer] = device[dev_idx].cpu()
+
+
+# Moves are bit copies: integer views of the same width work for every dtype,
+# float8 included, whose index kernels torch does not implement on the CPU.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_BITS[t.element_size()])
 

@@ -17,7 +17,7 @@ import torch
 
 from ..plan import CopyBatch
 from .base import BackendUnavailable
-from .gpu import KERNEL_WIDTHS, PACKAGE_DIR, COMMON_KERNEL_DIR, GpuBackend, as_pointer_array, find_loaded_library, split_batch
+from .gpu import COMMON_KERNEL_DIR, KERNEL_WIDTHS, PACKAGE_DIR, GpuBackend, as_pointer_array, find_loaded_library, split_batch
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_cuda" / "kv_copy.cu"
 AOT_ARCHS = ("sm_80", "sm_90", "sm_100")

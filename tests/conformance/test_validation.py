@@ -1,0 +1,130 @@
+"""Bad input is refused before any byte moves: the right error, naming the argument, both pools unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvspec import assert_same, page_tokens, randomize, snapshot
+
+import portable_kv as pk
+from portable_kv.layout import LAYOUTS
+
+P = 4
+
+
+@pytest.fixture(params=LAYOUTS)
+def pools(request, backend, gen):
+    dev = pk.DeviceKVPool(2, 32, P, 2, 8, 4, v_heads=1, dtype=torch.float16)
+    host = pk.AsymmetricHostPool(dev, layout=request.param, io_backend=backend.io_backends[0])
+    for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+        randomize(t, gen)
+    return dev, host
+
+
+def ok_indices():
+    return page_tokens(torch.tensor([1, 3]), P), page_tokens(torch.tensor([0, 2]), P)
+
+
+def rejected(dev, host, error, match, call):
+    before = snapshot(dev, host)
+    with pytest.raises(error, match=match):
+        call()
+    host.backend.synchronize()
+    assert_same(before, snapshot(dev, host))
+
+
+CASES = {
+    "length": (ValueError, "device_indices.*length", lambda h, d: (h, d[:-P])),
+    "dtype": (TypeError, "host_indices.*int64 or int32", lambda h, d: (h.float(), d)),
+    "not a tensor": (TypeError, "host_indices.*torch.Tensor", lambda h, d: (h.tolist(), d)),
+    "2-D": (ValueError, "device_indices.*1-D", lambda h, d: (h, d.view(2, -1))),
+    "host range": (ValueError, "host_indices.*< 64", lambda h, d: (h + 60, d)),
+    "device range": (ValueError, "device_indices.*< 32", lambda h, d: (h, d + 28)),
+    "negative": (ValueError, "host_indices.*>= 0", lambda h, d: (h - 5, d)),
+    "duplicate destination": (ValueError, "device_indices.*distinct", lambda h, d: (torch.cat((h, h + 16)), torch.cat((d, d)))),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_indices_rejected_on_load(pools, case):
+    dev, host = pools
+    error, match, mangle = CASES[case]
+    h, d = mangle(*ok_indices())
+    rejected(dev, host, error, match, lambda: host.load_to_device_per_layer(dev, h, d, 0))
+
+
+def test_duplicate_host_slots_rejected_on_backup(pools):
+    dev, host = pools
+    h, d = ok_indices()
+    rejected(dev, host, ValueError, "host_indices.*distinct", lambda: host.backup_from_device_all_layer(dev, torch.cat((h, h)), torch.cat((d, d + 16))))
+
+
+@pytest.mark.parametrize("layer_id,error", [(2, ValueError), (-1, ValueError), (True, TypeError), (1.0, TypeError)])
+def test_bad_layer_id(pools, layer_id, error):
+    dev, host = pools
+    rejected(dev, host, error, "layer_id", lambda: host.backup_from_device_per_layer(dev, *ok_indices(), layer_id))
+
+
+def test_page_layouts_need_whole_pages(pools):
+    dev, host = pools
+    h, d = ok_indices()
+    if host.layout not in ("page_first_direct", "page_head"):
+        host.load_to_device_per_layer(dev, h[1:], d[1:], 0)  # token layouts accept partial pages
+        return
+    rejected(dev, host, ValueError, "host_indices.*divisible by page_size", lambda: host.load_to_device_per_layer(dev, h[1:], d[1:], 0))
+    rejected(dev, host, ValueError, "host_indices.*start at a multiple", lambda: host.load_to_device_per_layer(dev, h + 1, d, 0))
+    shuffled = d.clone()
+    shuffled[[1, 2]] = shuffled[[2, 1]]  # right start, wrong order inside the page
+    rejected(dev, host, ValueError, "device_indices.*consecutive", lambda: host.load_to_device_per_layer(dev, h, shuffled, 0))
+
+
+def test_mismatched_device_pool(pools):
+    dev, host = pools
+    other = pk.DeviceKVPool(2, 32, P, 2, 8, 8, v_heads=1, dtype=torch.float16)
+    rejected(dev, host, ValueError, "device_pool.*V 1x4", lambda: host.load_to_device_all_layer(other, *ok_indices()))
+    wrong_dtype = pk.DeviceKVPool(2, 32, P, 2, 8, 4, v_heads=1, dtype=torch.bfloat16)
+    rejected(dev, host, TypeError, "device_pool.*float16", lambda: host.load_to_device_all_layer(wrong_dtype, *ok_indices()))
+    rejected(dev, host, TypeError, "device_pool.*k_buffer", lambda: host.load_to_device_all_layer(object(), *ok_indices()))
+
+
+def test_unknown_names(pools, backend):
+    dev, host = pools
+    rejected(dev, host, ValueError, "io_backend.*kernel, direct", lambda: host.load_to_device_all_layer(dev, *ok_indices(), io_backend="dma"))
+    with pytest.raises(ValueError, match="layout.*page_head"):
+        pk.AsymmetricHostPool(dev, layout="page_last")
+    with pytest.raises(ValueError, match="backend"):
+        pk.backends.use("tpu")
+
+
+def test_flat_page_checks(pools):
+    dev, host = pools
+    flat = host.get_data_page(0)
+    rejected(dev, host, ValueError, "data_page.*1-D tensor of", lambda: host.set_from_flat_data_page(0, flat[:-1]))
+    rejected(dev, host, TypeError, "data_page.*float16", lambda: host.set_from_flat_data_page(0, flat.float()))
+    rejected(dev, host, ValueError, "index.*first token of a page", lambda: host.set_from_flat_data_page(1, flat))
+    rejected(dev, host, ValueError, "index.*first token of a page", lambda: host.get_data_page(host.size))
+
+
+def test_closed_pool(pools):
+    dev, host = pools
+    with host:
+        pass
+    with pytest.raises(ValueError, match="closed"):
+        host.load_to_device_all_layer(dev, *ok_indices())
+    with pytest.raises(ValueError, match="closed"):
+        host.get_data_page(0)
+
+
+def test_size_rounds_up_to_pages(backend):
+    dev = pk.DeviceKVPool(1, 32, P, 1, 8, 8, dtype=torch.float16)
+    host = pk.AsymmetricHostPool(dev, host_to_device_ratio=1.1, layout="page_first_direct", io_backend=backend.io_backends[0])
+    assert host.size == 36 and host.page_num == 9
+    assert tuple(host.k_buffer.shape) == (9, 1, P, 1, 8)
+    sized = pk.AsymmetricHostPool(dev, host_size_gb=1e-6, layout="layer_first", io_backend=backend.io_backends[0])
+    assert sized.size == 32 and sized.size * (8 + 8) * 2 <= 1000 + P * 32  # 1 kB of K+V, rounded up to a page
+
+
+def test_too_large_pool_refused_before_allocation(backend):
+    dev = pk.DeviceKVPool(1, 32, P, 1, 8, 8, dtype=torch.float16)
+    with pytest.raises(MemoryError, match="requested.*available"):
+        pk.AsymmetricHostPool(dev, host_size_gb=10**6, io_backend=backend.io_backends[0])

@@ -19,7 +19,7 @@ import torch
 from . import backends
 from .backends.base import IO_BACKENDS, Backend
 from .layout import LAYOUTS, PAGE_LAYOUTS, canonical_view, check_layout, host_shape
-from .plan import IndexPair, Transfer, tensor_pair
+from .plan import IdentityCache, IndexPair, Transfer, tensor_pair
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -97,24 +97,17 @@ class _DeviceGeometry:
         self.k_heads, self.k_dim = int(first_k.shape[1]), int(first_k.shape[2])
         self.v_heads, self.v_dim = int(first_v.shape[1]), int(first_v.shape[2])
         self.dtype, self.device = first_k.dtype, first_k.device
-        self.key = _pool_key(pool)
 
 
-def _pool_key(pool: Any) -> tuple:
-    # The identity of every per-layer tensor: an engine that swaps a buffer gets it re-checked.
-    return (id(pool), tuple(map(id, pool.k_buffer)), tuple(map(id, pool.v_buffer)))
-
-
-_geometry_cache: dict[int, _DeviceGeometry] = {}
+# Checked once per set of per-layer tensors: an engine that swaps a buffer gets it re-checked.
+_geometry_cache = IdentityCache()
 
 
 def _device_geometry(pool: Any) -> _DeviceGeometry:
-    cached = _geometry_cache.get(id(pool))
-    if cached is not None and hasattr(pool, "k_buffer") and cached.key == _pool_key(pool):
-        return cached
-    geometry = _DeviceGeometry(pool)
-    _geometry_cache[id(pool)] = geometry
-    return geometry
+    k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
+    if not isinstance(k, Sequence) or not isinstance(v, Sequence):
+        return _DeviceGeometry(pool)  # raises the error that names what is missing
+    return _geometry_cache.get([*k, *v], lambda: _DeviceGeometry(pool))
 
 
 class AsymmetricHostPool:

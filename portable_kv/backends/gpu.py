@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..plan import CopyBatch, TensorPair, Transfer, copy_batch
+from ..plan import CopyBatch, IdentityCache, TensorPair, Transfer, copy_batch
 from .base import Backend, BackendUnavailable
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -85,7 +85,6 @@ class LayerTable:
         addresses = [t.data_ptr() for t in buffers]
         self.addresses = torch.tensor(addresses, dtype=torch.int64, device=device)
         self.alignment = math.gcd(*addresses)
-        self.key = tuple(map(id, buffers))
 
 
 def kernel_sources(vendor_file: Path) -> list[Path]:
@@ -140,7 +139,7 @@ class GpuBackend(Backend):
         self._kernels: dict[int, object] | None = None
         self._load_lock = threading.Lock()
         self._local = threading.local()
-        self._tables: dict[tuple, LayerTable] = {}
+        self._tables = IdentityCache()
         # A bad index found by a kernel is reported through mapped host memory:
         # the host reads it without synchronising.
         self._error_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -219,13 +218,7 @@ class GpuBackend(Backend):
             )
 
     def _layer_table(self, buffers: Sequence[torch.Tensor]) -> LayerTable:
-        key = tuple(map(id, buffers))
-        table = self._tables.get(key)
-        if table is None:
-            if len(self._tables) > 64:  # engines hold a few pools; a leak guard, not a policy
-                self._tables.clear()
-            table = self._tables[key] = LayerTable(buffers, self.device)
-        return table
+        return self._tables.get(buffers, lambda: LayerTable(buffers, self.device))
 
     def _args(self) -> tuple[CopyArgs, int]:
         local = self._local

@@ -1,0 +1,376 @@
+"""portable-kv bench: how fast this package moves KV pages, against the link's ceiling.
+
+Everything in one run on one machine: the ceiling (bulk page-locked memcpy),
+the peers (what engines and users do today, written here from their
+published behaviour), and every backend x layout x io backend, for a
+per-layer load and an all-layer backup of the same random pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import backends
+from .layout import LAYOUTS
+from .pool import AsymmetricHostPool, DeviceKVPool
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": getattr(torch, "float8_e4m3fn", torch.uint8)}
+
+
+@dataclass
+class Row:
+    section: str
+    name: str
+    direction: str  # "h2d" | "d2h" | "both" | "-"
+    page_size: int = 0
+    gbps: float = 0.0
+    pct_ceiling: float = 0.0
+    host_us: float = 0.0  # host CPU time per call (enqueue only)
+    grid: int = 0  # blocks launched (SMs occupied) on the kernel path
+    extra: dict = field(default_factory=dict)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heads", type=int, default=4, help="KV heads per GPU (K and V)")
+    p.add_argument("--k-dim", type=int, default=192)
+    p.add_argument("--v-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--page-size", type=str, default="64,16,1", help="comma-separated page sizes")
+    p.add_argument("--pages", type=int, default=0, help="pages per call (default: >= 100 MB per per-layer load)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--backends", type=str, default="", help="comma-separated (default: every GPU backend available)")
+    p.add_argument("--reps", type=int, default=0)
+    p.add_argument("--json", type=str, default="", help="write every number here")
+    p.add_argument("--plot", type=str, default="", help="a PNG of the bandwidths (needs the bench extra)")
+    p.add_argument("--quick", action="store_true", help="about a minute: 8 layers, fewer repetitions, no peers at page 1")
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+class Clock:
+    """Device time with events on a GPU, wall time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.gpu = device.type == "cuda"
+
+    def time(self, fn: Callable[[], None], reps: int, warmup: int = 2) -> tuple[float, float]:
+        """Median seconds per call on the device, and median host seconds to enqueue a call."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        device, host = [], []
+        for _ in range(reps):
+            if self.gpu:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+            if self.gpu:
+                end.record()
+                end.synchronize()
+                device.append(start.elapsed_time(end) / 1e3)
+            else:
+                device.append(host[-1])
+        return statistics.median(device), statistics.median(host)
+
+    def sync(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize()
+
+
+def ceiling(clock: Clock, device: torch.device, nbytes: int, reps: int) -> dict[str, float]:
+    """One bulk page-locked memcpy each way, and both ways at once (GB/s)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d, _ = clock.time(lambda: dev.copy_(host, non_blocking=True), reps)
+    d2h, _ = clock.time(lambda: host.copy_(dev, non_blocking=True), reps)
+    result = {"h2d": nbytes / h2d / 1e9, "d2h": nbytes / d2h / 1e9}
+    if clock.gpu:
+        side = torch.cuda.Stream()
+
+        def both():
+            side.wait_stream(torch.cuda.current_stream())
+            dev.copy_(host, non_blocking=True)
+            with torch.cuda.stream(side):
+                host2.copy_(dev2, non_blocking=True)
+            torch.cuda.current_stream().wait_stream(side)
+
+        t, _ = clock.time(both, reps)
+        result["both"] = 2 * nbytes / t / 1e9
+    return result
+
+
+class Workload:
+    """One device pool and random pages: a per-layer load must move >= 100 MB."""
+
+    def __init__(self, args: argparse.Namespace, page_size: int, layers: int, device: torch.device) -> None:
+        self.dtype = DTYPES[args.dtype]
+        item = torch.empty((), dtype=self.dtype).element_size()
+        self.token_layer_bytes = args.heads * (args.k_dim + args.v_dim) * item
+        target = 100e6 if device.type != "cpu" else 4e6
+        self.pages = args.pages or -(-int(target // self.token_layer_bytes) // page_size)
+        self.page_size, self.layers = page_size, layers
+        dev_pages = self.pages + max(8, self.pages // 8)
+        self.dev = DeviceKVPool(layers, dev_pages * page_size, page_size, args.heads, args.k_dim, args.v_dim,
+                                dtype=self.dtype, device=device)
+        gen = torch.Generator().manual_seed(0)
+        offsets = torch.arange(page_size)
+        self.dev_idx = (torch.randperm(dev_pages, generator=gen)[: self.pages, None] * page_size + offsets).reshape(-1)
+        self.host_pages = dev_pages
+        self.host_idx = (torch.randperm(dev_pages, generator=gen)[: self.pages, None] * page_size + offsets).reshape(-1)
+        self.layer_bytes = self.pages * page_size * self.token_layer_bytes
+
+    def host_pool(self, layout: str, io: str) -> AsymmetricHostPool:
+        return AsymmetricHostPool(self.dev, host_to_device_ratio=1.0, layout=layout, io_backend=io)
+
+
+def bench_pool(clock: Clock, w: Workload, host: AsymmetricHostPool, io: str, reps: int, ceil: dict, section: str, name: str) -> list[Row]:
+    rows = []
+    layer = [0]
+
+    def load():
+        host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, layer[0] % w.layers, io_backend=io)
+        layer[0] += 1
+
+    t, cpu = clock.time(load, reps)
+    grid = _grid(host, w, w.layer_bytes, io)
+    rows.append(Row(section, name, "h2d", w.page_size, w.layer_bytes / t / 1e9, 100 * w.layer_bytes / t / 1e9 / ceil["h2d"], cpu * 1e6, grid))
+    all_bytes = w.layer_bytes * w.layers
+    t, cpu = clock.time(lambda: host.backup_from_device_all_layer(w.dev, w.host_idx, w.dev_idx, io_backend=io), max(3, reps // 4), warmup=1)
+    rows.append(Row(section, name, "d2h", w.page_size, all_bytes / t / 1e9, 100 * all_bytes / t / 1e9 / ceil["d2h"], cpu * 1e6, _grid(host, w, all_bytes, io)))
+    return rows
+
+
+def _grid(host: AsymmetricHostPool, w: Workload, nbytes: int, io: str) -> int:
+    if io != "kernel" or not hasattr(host.backend, "block_quota"):
+        return 0
+    from .backends.gpu import grid_size
+
+    return grid_size(nbytes // 16, host.backend.block_quota)
+
+
+def peers(clock: Clock, w: Workload, reps: int, ceil: dict) -> list[Row]:
+    """What engines and users do today, written from their published behaviour."""
+    rows = []
+    P = w.page_size
+    host_k = torch.empty(w.host_pages, w.layers, P, *w.dev.k_buffer[0].shape[1:], dtype=w.dtype, pin_memory=clock.gpu)
+    host_v = torch.empty(w.host_pages, w.layers, P, *w.dev.v_buffer[0].shape[1:], dtype=w.dtype, pin_memory=clock.gpu)
+    host_pages = (w.host_idx[::P] // P).tolist()
+    dev_starts = w.dev_idx[::P].tolist()
+
+    def page_loop():  # legacy swap_blocks: one copy_ per page and tensor
+        for hp, d0 in zip(host_pages, dev_starts):
+            w.dev.k_buffer[0][d0 : d0 + P].copy_(host_k[hp, 0], non_blocking=True)
+            w.dev.v_buffer[0][d0 : d0 + P].copy_(host_v[hp, 0], non_blocking=True)
+
+    t, cpu = clock.time(page_loop, max(3, reps // 4), warmup=1)
+    rows.append(Row("peer", "per-page copy_ loop", "h2d", P, w.layer_bytes / t / 1e9, 100 * w.layer_bytes / t / 1e9 / ceil["h2d"], cpu * 1e6))
+
+    host_flat_k = host_k.view(w.host_pages * P, w.layers, *host_k.shape[3:])
+    host_flat_v = host_v.view(w.host_pages * P, w.layers, *host_v.shape[3:])
+    dev_idx = w.dev_idx.to(w.dev.device)
+
+    def by_hand():  # what a user writes: gather on the host, copy, scatter
+        w.dev.k_buffer[0][dev_idx] = host_flat_k[w.host_idx, 0].to(w.dev.device, non_blocking=True)
+        w.dev.v_buffer[0][dev_idx] = host_flat_v[w.host_idx, 0].to(w.dev.device, non_blocking=True)
+
+    t, cpu = clock.time(by_hand, max(3, reps // 4), warmup=1)
+    rows.append(Row("peer", "torch indexing by hand", "h2d", P, w.layer_bytes / t / 1e9, 100 * w.layer_bytes / t / 1e9 / ceil["h2d"], cpu * 1e6))
+
+    backend = backends.current()
+    if hasattr(backend, "memcpy_batch"):
+        rows += unmerged_batch(clock, w, backend, host_k, host_v, reps, ceil)
+    return rows
+
+
+def unmerged_batch(clock, w, backend, host_k, host_v, reps, ceil) -> list[Row]:
+    """The engines' direct path today: one batched memcpy, a descriptor per page and tensor, no merging."""
+    import numpy as np
+
+    from .plan import CopyBatch
+
+    P = w.page_size
+    host_pages = (w.host_idx[::P] // P).numpy()
+    dev_starts = w.dev_idx[::P].numpy()
+    rows = []
+    for direction in ("h2d", "d2h"):
+        dst, src, sizes = [], [], []
+        for host_t, dev_t in ((host_k, w.dev.k_buffer[0]), (host_v, w.dev.v_buffer[0])):
+            page_bytes = P * dev_t[0].numel() * dev_t.element_size()
+            host_addr = host_t.data_ptr() + host_pages * host_t.stride(0) * host_t.element_size()
+            dev_addr = dev_t.data_ptr() + dev_starts * dev_t.stride(0) * dev_t.element_size()
+            to, frm = (dev_addr, host_addr) if direction == "h2d" else (host_addr, dev_addr)
+            dst.append(to)
+            src.append(frm)
+            sizes.append(np.full(len(host_addr), page_bytes))
+        batch = CopyBatch(*(np.concatenate(a).astype(np.uint64) for a in (dst, src, sizes)))
+        t, cpu = clock.time(lambda b=batch: backend.memcpy_batch(b, torch.cuda.current_stream().cuda_stream), reps)
+        rows.append(Row("peer", "one unmerged batched memcpy", direction, P, w.layer_bytes / t / 1e9,
+                        100 * w.layer_bytes / t / 1e9 / ceil[direction], cpu * 1e6, extra={"descriptors": len(batch)}))
+    return rows
+
+
+def quota_sweep(clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list[Row]:
+    """Kernel bandwidth against its block quota: where the default comes from."""
+    backend = backends.current()
+    rows = []
+    saved = backend.block_quota
+    host = w.host_pool("page_first_direct", "kernel")
+    try:
+        for blocks in (2, 4, 8, 16, 24, 32, 64, 132):
+            backend.block_quota = blocks
+            for row in bench_pool(clock, w, host, "kernel", reps, ceil, "quota", f"{name} kernel, {blocks} blocks"):
+                row.extra["blocks"] = blocks
+                rows.append(row)
+    finally:
+        backend.block_quota = saved
+        host.close()
+    return rows
+
+
+def both_directions(clock: Clock, w: Workload, reps: int, ceil: dict, name: str, io: str) -> Row:
+    """A load and a backup at once, on two streams: the total."""
+    host = w.host_pool("page_first_direct", io)
+    half = w.pages // 2 * w.page_size
+    side = torch.cuda.Stream()
+
+    def run():
+        side.wait_stream(torch.cuda.current_stream())
+        host.load_to_device_per_layer(w.dev, w.host_idx[:half], w.dev_idx[:half], 0)
+        with torch.cuda.stream(side):
+            host.backup_from_device_per_layer(w.dev, w.host_idx[half:], w.dev_idx[half:], 1)
+        torch.cuda.current_stream().wait_stream(side)
+
+    t, cpu = clock.time(run, reps)
+    host.close()
+    nbytes = 2 * half * w.token_layer_bytes
+    return Row("both", f"{name} {io}, load + backup at once", "both", w.page_size, nbytes / t / 1e9, 100 * nbytes / t / 1e9 / ceil["both"], cpu * 1e6)
+
+
+def interference(clock: Clock, w: Workload, name: str, reps: int) -> list[Row]:
+    """A bf16 matmul loop on one stream while transfers run on another."""
+    n = 8192
+    a = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    matmuls = 40
+
+    def matmul_loop():
+        for _ in range(matmuls):
+            torch.mm(a, b, out=c)
+
+    alone, _ = clock.time(matmul_loop, 3)
+    rows = [Row("interference", "bf16 matmul alone", "-", 0, extra={"tflops": 2 * n**3 * matmuls / alone / 1e12})]
+    side = torch.cuda.Stream()
+    for io in ("kernel", "direct"):
+        host = w.host_pool("page_first_direct", io)
+        calls = 0
+        main = torch.cuda.current_stream()
+        t_start, t_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        m_start, m_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            t_start.record()
+            calls = max(4, int(alone / (w.layer_bytes / 50e9)) + 2)
+            for i in range(calls):
+                host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, i % w.layers)
+            t_end.record()
+        m_start.record()
+        matmul_loop()
+        m_end.record()
+        torch.cuda.synchronize()
+        busy = m_start.elapsed_time(m_end) / 1e3
+        moved = t_start.elapsed_time(t_end) / 1e3
+        rows.append(Row("interference", f"{name} {io} load during matmul", "h2d", w.page_size, calls * w.layer_bytes / moved / 1e9,
+                        extra={"matmul_slowdown_pct": 100 * (busy / alone - 1), "matmul_s": busy, "alone_s": alone}))
+        host.close()
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    lines = [f"{'section':<12} {'what':<46} {'dir':<4} {'page':>4} {'GB/s':>7} {'%ceil':>6} {'host us':>9} {'grid':>5}  extra"]
+    for r in rows:
+        extra = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
+        lines.append(f"{r.section:<12} {r.name:<46} {r.direction:<4} {r.page_size:>4} {r.gbps:>7.1f} {r.pct_ceiling:>6.1f} {r.host_us:>9.1f} {r.grid:>5}  {extra}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = [r for r in rows if r.section in ("package", "peer") and r.gbps > 0]
+    fig, ax = plt.subplots(figsize=(12, max(4, 0.22 * len(main))))
+    labels = [f"{r.name} {r.direction} p{r.page_size}" for r in main]
+    ax.barh(labels, [r.pct_ceiling for r in main], color=["tab:blue" if r.section == "package" else "tab:gray" for r in main])
+    ax.axvline(100, color="k", lw=0.8)
+    ax.set_xlabel("% of the measured PCIe ceiling")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args: argparse.Namespace) -> int:
+    backend = backends.current()
+    device = backend.device
+    gpu = device.type != "cpu"
+    if not gpu:
+        print("portable-kv bench: no GPU backend is bound; these are CPU-backend numbers and say nothing about GPUs.")
+    layers = 8 if args.quick else args.layers
+    reps = args.reps or (5 if args.quick else 20)
+    clock = Clock(device)
+    names = [n for n in (args.backends.split(",") if args.backends else backends.available()) if n != "cpu" or not gpu]
+    progress(f"ceiling: bulk page-locked memcpy on {device}")
+    ceil = ceiling(clock, device, (512 << 20 if args.quick else 2 << 30) if gpu else 64 << 20, reps)
+    rows = [Row("ceiling", "bulk pinned memcpy", d, 0, v, 100.0) for d, v in ceil.items()]
+    for page_size in [int(p) for p in args.page_size.split(",")]:
+        w = Workload(args, page_size, layers, device)
+        progress(f"page {page_size}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
+        if gpu and not (args.quick and page_size == 1):
+            progress("  peers")
+            rows += peers(clock, w, reps, ceil)
+        for name in names:
+            backends.use(name)
+            for layout in LAYOUTS:
+                for io in backends.current().io_backends:
+                    progress(f"  {name} {layout} {io}")
+                    host = w.host_pool(layout, io)
+                    rows += bench_pool(clock, w, host, io, reps, ceil, "package", f"{name} {layout} {io}")
+                    host.close()
+            if gpu and page_size in (64, 1) and name != "triton":
+                progress(f"  {name} block quota sweep")
+                rows += quota_sweep(clock, w, reps, ceil, name)
+            if gpu and page_size == 64:
+                for io in backends.current().io_backends:
+                    rows.append(both_directions(clock, w, reps, ceil, name, io))
+                if name != "triton":
+                    progress(f"  {name} interference")
+                    rows += interference(clock, w, name, reps)
+        backends.use(backend.name)
+        del w
+        if gpu:
+            torch.cuda.empty_cache()
+    print(table(rows))
+    meta = {"backend": backend.name, "device": str(device), "gpu": torch.cuda.get_device_name() if gpu else "none",
+            "torch": torch.__version__, "args": vars(args) | {"func": None}, "ceiling": ceil}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0

@@ -326,6 +326,14 @@ def plot(rows: list[Row], path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if backends.current().device.type == "cuda":
+        # Engines transfer on streams of their own; the batched memcpy APIs reject the legacy default stream.
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return run(args)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     backend = backends.current()
     device = backend.device
     gpu = device.type != "cpu"

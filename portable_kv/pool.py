@@ -19,7 +19,7 @@ import torch
 from . import backends
 from .backends.base import IO_BACKENDS, Backend
 from .layout import LAYOUTS, PAGE_LAYOUTS, canonical_view, check_layout, host_shape
-from .plan import IdentityCache, IndexPair, Transfer, tensor_pair
+from .plan import IdentityCache, IndexPair, TensorPair, Transfer, tensor_pair
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -150,6 +150,7 @@ class AsymmetricHostPool:
         self.v_buffer = self._allocate(shape_v)
         self.closed = False
         self._validated: tuple | None = None
+        self._bound: tuple | None = None
 
     # -- allocation -----------------------------------------------------------------
 
@@ -180,20 +181,29 @@ class AsymmetricHostPool:
     def _transfer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: range, to_device: bool, io_backend: str | None) -> None:
         self._check_open()
         io = self.io_backend if io_backend is None else self._check_io(io_backend)
-        geometry = self._check_device_pool(device_pool)
+        geometry, pairs = self._bind(device_pool)
         indices = self._indices(host_indices, device_indices, geometry.tokens, to_device)
-        transfer = Transfer(
-            to_device=to_device,
-            pairs=(
-                tensor_pair(self.k_buffer, device_pool.k_buffer, self.layout, self.page_size),
-                tensor_pair(self.v_buffer, device_pool.v_buffer, self.layout, self.page_size),
-            ),
-            indices=indices,
-            layers=layers,
-            page_size=self.page_size,
+        if indices.tokens:
+            self.backend.transfer(Transfer(to_device, pairs, indices, layers, self.page_size), io)
+
+    def _bind(self, device_pool: Any) -> tuple[_DeviceGeometry, tuple[TensorPair, TensorPair]]:
+        """The device pool's checked geometry and the K/V tensor pairs, kept for the pool an engine passes every call.
+
+        The pairs hold the device tensors, so their ids cannot be reused while
+        bound: equal ids mean the very same tensors.
+        """
+        k, v = getattr(device_pool, "k_buffer", None), getattr(device_pool, "v_buffer", None)
+        if isinstance(k, Sequence) and isinstance(v, Sequence):
+            key = (*map(id, k), None, *map(id, v))
+            if self._bound is not None and self._bound[0] == key:
+                return self._bound[1], self._bound[2]
+        geometry = self._check_device_pool(device_pool)
+        pairs = (
+            tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size),
+            tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size),
         )
-        if transfer.tokens:
-            self.backend.transfer(transfer, io)
+        self._bound = (key, geometry, pairs)
+        return geometry, pairs
 
     # -- validation --------------------------------------------------------------------
 
@@ -323,7 +333,7 @@ class AsymmetricHostPool:
         self.backend.synchronize()
         self.closed = True
         self.k_buffer = self.v_buffer = None
-        self._validated = None
+        self._validated = self._bound = None
 
     def __enter__(self) -> AsymmetricHostPool:
         return self

@@ -125,6 +125,32 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+class JobTemplate:
+    """The kernel arguments that depend only on the host pool and the device buffers."""
+
+    def __init__(self, pairs: tuple[TensorPair, TensorPair], tables: list[LayerTable]) -> None:
+        self.tables = tables  # keeps the address tables alive while the template is in use
+        self.width = access_width(*(_alignment_terms(pair, table) for pair, table in zip(pairs, tables)))
+        self.jobs = []
+        self.vecs_per_row = []  # vectors per (token, layer)
+        for pair, table in zip(pairs, tables):
+            s, c = pair.strides, pair.chunks
+            self.jobs.append(dict(
+                host_base=pair.host.data_ptr(), device_layers=table.addresses.data_ptr(),
+                host_page=s.page, host_token=s.token, host_layer=s.layer, host_group=c.host_group,
+                device_token=pair.device_token_bytes, device_group=c.device_group,
+                host_tokens=s.tokens, device_tokens=pair.device[0].shape[0],
+                chunk_bytes=c.chunk_bytes, groups=c.groups,
+            ))
+            self.vecs_per_row.append(c.groups * c.chunk_bytes // self.width)
+
+    def write(self, args: CopyArgs) -> None:
+        for job, fields in zip(args.job, self.jobs):
+            for name, value in fields.items():
+                setattr(job, name, value)
+        args.job[0].vec_begin = 0
+
+
 class GpuBackend(Backend):
     """The transfer logic of a GPU vendor backend; subclasses provide the runtime calls."""
 
@@ -140,9 +166,10 @@ class GpuBackend(Backend):
         self._load_lock = threading.Lock()
         self._local = threading.local()
         self._tables = IdentityCache()
+        self._templates: dict[int, tuple] = {}
         # A bad index found by a kernel is reported through mapped host memory:
         # the host reads it without synchronising.
-        self._error_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._error_flag = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type != "cpu")
         self._error_view = self._error_flag.numpy()
 
     def _device(self) -> torch.device:
@@ -175,6 +202,10 @@ class GpuBackend(Backend):
 
     def bind_thread(self) -> None:
         """Make the device's context current on this thread, where the runtime needs it."""
+
+    def stream(self) -> int:
+        """The handle of the current torch stream: transfers are ordered on it."""
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     # -- code objects ---------------------------------------------------------------
 
@@ -226,38 +257,42 @@ class GpuBackend(Backend):
             self.bind_thread()
             local.args = CopyArgs()
             local.params = (ctypes.c_void_p * 1)(ctypes.addressof(local.args))
+            local.template = None
         return local.args, ctypes.addressof(local.params)
 
+    def _template(self, pairs: tuple[TensorPair, TensorPair]) -> JobTemplate:
+        entry = self._templates.get(id(pairs))
+        if entry is None or entry[0] is not pairs:
+            if len(self._templates) >= 16:
+                self._templates.clear()
+            entry = self._templates[id(pairs)] = (pairs, JobTemplate(pairs, [self._layer_table(p.device) for p in pairs]))
+        return entry[1]
+
     def kernel_args(self, transfer: Transfer, host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple[CopyArgs, int, int]:
-        """Fill this thread's argument struct; returns it, the access width and the vector count."""
+        """Fill this thread's argument struct; returns it, the address of its parameter array and the access width.
+
+        What depends only on the pools is written once per pool pair and thread;
+        a call writes the ten fields that depend on its indices and layers.
+        """
         args, params = self._args()
-        tables = [self._layer_table(pair.device) for pair in transfer.pairs]
-        width = access_width(*(_alignment_terms(pair, table) for pair, table in zip(transfer.pairs, tables)))
-        layers = len(transfer.layers)
-        begin = 0
-        for job, pair, table in zip(args.job, transfer.pairs, tables):
-            s, c = pair.strides, pair.chunks
-            job.host_base = pair.host.data_ptr()
-            job.device_layers = table.addresses.data_ptr()
-            job.host_page, job.host_token, job.host_layer, job.host_group = s.page, s.token, s.layer, c.host_group
-            job.device_token, job.device_group = pair.device_token_bytes, c.device_group
-            job.host_tokens = s.tokens
-            job.device_tokens = pair.device[0].shape[0]
-            job.chunk_bytes, job.groups = c.chunk_bytes, c.groups
-            job.vec_begin = begin
-            begin += transfer.tokens * layers * c.groups * (c.chunk_bytes // width)
+        template = self._template(transfer.pairs)
+        if self._local.template is not template:
+            template.write(args)
+            args.error_flag = self._error_flag.data_ptr()
+            self._local.template = template
+        rows = transfer.tokens * len(transfer.layers)
+        args.job[1].vec_begin = rows * template.vecs_per_row[0]
+        args.total_vecs = rows * (template.vecs_per_row[0] + template.vecs_per_row[1])
         args.host_indices, args.device_indices = host_indices.data_ptr(), device_indices.data_ptr()
-        args.error_flag = self._error_flag.data_ptr()
-        args.tokens, args.page_size = transfer.tokens, transfer.page_size
-        args.layer_begin, args.layers = transfer.layers.start, layers
-        args.total_vecs, args.to_device = begin, int(transfer.to_device)
-        return args, params, width
+        args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)
+        args.page_size = transfer.page_size
+        args.to_device = transfer.to_device
+        return args, params, template.width
 
     def _kernel_transfer(self, transfer: Transfer) -> None:
         host_indices, device_indices = transfer.indices.on(self.device)
         args, params, width = self.kernel_args(transfer, host_indices, device_indices)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.launch(self.kernels()[width], grid_size(args.total_vecs, self.block_quota), BLOCK, params, stream)
+        self.launch(self.kernels()[width], grid_size(args.total_vecs, self.block_quota), BLOCK, params, self.stream())
 
     def _direct_transfer(self, transfer: Transfer) -> None:
         batch = copy_batch(transfer)

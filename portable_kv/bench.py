@@ -238,24 +238,38 @@ def quota_sweep(clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> 
     finally:
         backend.block_quota = saved
         host.close()
+    saved = backend.dma_streams
+    host = w.host_pool("page_first_direct", "direct")
+    try:
+        for streams in (1, 2, 4):
+            backend.dma_streams = streams
+            for row in bench_pool(clock, w, host, "direct", reps, ceil, "streams", f"{name} direct, {streams} streams"):
+                row.extra["streams"] = streams
+                rows.append(row)
+    finally:
+        backend.dma_streams = saved
+        host.close()
     return rows
 
 
 def both_directions(clock: Clock, w: Workload, reps: int, ceil: dict, name: str, io: str) -> Row:
     """A load and a backup at once, on two streams: the total."""
-    host = w.host_pool("page_first_direct", io)
+    load_pool, backup_pool = w.host_pool("page_first_direct", io), w.host_pool("page_first_direct", io)
     half = w.pages // 2 * w.page_size
+    load_idx = (w.host_idx[:half].clone(), w.dev_idx[:half].clone())
+    backup_idx = (w.host_idx[half:].clone(), w.dev_idx[half:].clone())
     side = torch.cuda.Stream()
 
     def run():
         side.wait_stream(torch.cuda.current_stream())
-        host.load_to_device_per_layer(w.dev, w.host_idx[:half], w.dev_idx[:half], 0)
+        load_pool.load_to_device_per_layer(w.dev, *load_idx, 0)
         with torch.cuda.stream(side):
-            host.backup_from_device_per_layer(w.dev, w.host_idx[half:], w.dev_idx[half:], 1)
+            backup_pool.backup_from_device_per_layer(w.dev, *backup_idx, 1)
         torch.cuda.current_stream().wait_stream(side)
 
     t, cpu = clock.time(run, reps)
-    host.close()
+    load_pool.close()
+    backup_pool.close()
     nbytes = 2 * half * w.token_layer_bytes
     return Row("both", f"{name} {io}, load + backup at once", "both", w.page_size, nbytes / t / 1e9, 100 * nbytes / t / 1e9 / ceil["both"], cpu * 1e6)
 
@@ -272,7 +286,7 @@ def interference(clock: Clock, w: Workload, name: str, reps: int) -> list[Row]:
         for _ in range(matmuls):
             torch.mm(a, b, out=c)
 
-    alone, _ = clock.time(matmul_loop, 3)
+    alone, _ = clock.time(matmul_loop, 5)
     rows = [Row("interference", "bf16 matmul alone", "-", 0, extra={"tflops": 2 * n**3 * matmuls / alone / 1e12})]
     side = torch.cuda.Stream()
     for io in ("kernel", "direct"):

@@ -83,6 +83,7 @@ class IndexPair:
     def __init__(self, host: torch.Tensor, device: torch.Tensor) -> None:
         self._by_device = {host.device: (host, device)}
         self.tokens = int(host.numel())
+        self._runs: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         device = torch.device(device)
@@ -147,37 +148,39 @@ def token_runs(host_idx: np.ndarray, dev_idx: np.ndarray, pair: TensorPair, page
     return starts, np.diff(np.append(starts, n))
 
 
+def run_offsets(indices: IndexPair, pair: TensorPair, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host offsets, device offsets and byte sizes of the merged runs, before the layer and
+    head-group terms; kept with the indices, which an engine passes to every layer."""
+    key = (pair.strides, pair.chunks, page_size)
+    cached = indices._runs.get(key)
+    if cached is None:
+        host_idx, dev_idx = indices.numpy()
+        s = pair.strides
+        starts, lengths = token_runs(host_idx, dev_idx, pair, page_size)
+        h, d = host_idx[starts], dev_idx[starts]
+        cached = ((h // page_size) * s.page + (h % page_size) * s.token, d * pair.device_token_bytes, lengths * pair.chunks.chunk_bytes)
+        indices._runs[key] = cached
+    return cached
+
+
 def copy_batch(transfer: Transfer) -> CopyBatch:
     """All chunks of a transfer, K then V, each run merged, as one batch."""
-    host_idx, dev_idx = transfer.indices.numpy()
     layers = np.asarray(transfer.layers, dtype=np.int64)
-    P = transfer.page_size
     dst, src, sizes = [], [], []
     for pair in transfer.pairs:
         s, c = pair.strides, pair.chunks
-        starts, lengths = token_runs(host_idx, dev_idx, pair, P)
-        h, d = host_idx[starts], dev_idx[starts]
+        host_off, dev_off, size = run_offsets(transfer.indices, pair, transfer.page_size)
         groups = np.arange(c.groups, dtype=np.int64)
         layer_base = np.array([pair.device[int(l)].data_ptr() for l in layers], dtype=np.int64)
         # Broadcast to (layer, group, run).
-        host_addr = (
-            pair.host.data_ptr()
-            + layers[:, None, None] * s.layer
-            + groups[None, :, None] * c.host_group
-            + ((h // P) * s.page + (h % P) * s.token)[None, None, :]
-        )
-        dev_addr = (
-            layer_base[:, None, None]
-            + groups[None, :, None] * c.device_group
-            + (d * pair.device_token_bytes)[None, None, :]
-        )
-        size = np.broadcast_to((lengths * c.chunk_bytes)[None, None, :], host_addr.shape)
+        host_addr = (pair.host.data_ptr() + layers * s.layer)[:, None, None] + (groups * c.host_group)[None, :, None] + host_off[None, None, :]
+        dev_addr = layer_base[:, None, None] + (groups * c.device_group)[None, :, None] + dev_off[None, None, :]
         to, frm = (dev_addr, host_addr) if transfer.to_device else (host_addr, dev_addr)
         dst.append(to.ravel())
         src.append(frm.ravel())
-        sizes.append(size.ravel())
+        sizes.append(np.broadcast_to(size, host_addr.shape).ravel())
     return CopyBatch(
-        np.concatenate(dst).astype(np.uint64),
-        np.concatenate(src).astype(np.uint64),
-        np.concatenate(sizes).astype(np.uint64),
+        np.concatenate(dst).view(np.uint64),
+        np.concatenate(src).view(np.uint64),
+        np.concatenate(sizes).view(np.uint64),
     )

@@ -9,6 +9,7 @@ for the index tensors an engine passes to every per-layer call, so a model's
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -189,20 +190,19 @@ class AsymmetricHostPool:
     def _bind(self, device_pool: Any) -> tuple[_DeviceGeometry, tuple[TensorPair, TensorPair]]:
         """The device pool's checked geometry and the K/V tensor pairs, kept for the pool an engine passes every call.
 
-        The pairs hold the device tensors, so their ids cannot be reused while
-        bound: equal ids mean the very same tensors.
+        The check is by identity of every per-layer tensor: an engine that swaps
+        a buffer gets it checked again.
         """
         k, v = getattr(device_pool, "k_buffer", None), getattr(device_pool, "v_buffer", None)
-        if isinstance(k, Sequence) and isinstance(v, Sequence):
-            key = (*map(id, k), None, *map(id, v))
-            if self._bound is not None and self._bound[0] == key:
-                return self._bound[1], self._bound[2]
+        bound = self._bound
+        if bound is not None and _same_tensors(k, bound[2][0].device) and _same_tensors(v, bound[2][1].device):
+            return bound[1], bound[2]
         geometry = self._check_device_pool(device_pool)
         pairs = (
             tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size),
             tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size),
         )
-        self._bound = (key, geometry, pairs)
+        self._bound = (device_pool, geometry, pairs)
         return geometry, pairs
 
     # -- validation --------------------------------------------------------------------
@@ -244,10 +244,10 @@ class AsymmetricHostPool:
         dev = _index_tensor("device_indices", device_indices)
         if host.numel() != dev.numel():
             raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
-        key = (host, host._version, dev, dev._version, device_tokens, to_device)
+        key = (host._version, dev._version, device_tokens, to_device)
         cached = self._validated
-        if cached is not None and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(cached[0], key)):
-            return cached[1]
+        if cached is not None and cached[0] is host and cached[1] is dev and cached[2] == key:
+            return cached[3]
         if host.device != dev.device:
             dev = dev.to(host.device)
         pair = IndexPair(host.long(), dev.long())
@@ -260,7 +260,7 @@ class AsymmetricHostPool:
                 _check_whole_pages("device_indices", dev_np, self.page_size, self.layout)
             # Two writes to one slot would race on a GPU: the result would depend on timing.
             _check_unique("device_indices" if to_device else "host_indices", dev_np if to_device else host_np)
-        self._validated = (key, pair)
+        self._validated = (host, dev, key, pair)
         return pair
 
     # -- pages for storage tiers -------------------------------------------------------
@@ -349,6 +349,10 @@ class AsymmetricHostPool:
 
 
 # -- helpers -------------------------------------------------------------------------
+
+
+def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
+    return isinstance(given, Sequence) and len(given) == len(bound) and all(map(operator.is_, given, bound))
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -104,6 +104,20 @@ class CudaRuntime:
             raise RuntimeError(f"{what} failed: {self.lib.cudaGetErrorName(err).decode()} ({err})")
 
 
+class DriverLaunch:
+    """cuLaunchKernel through ctypes: ~6 us a launch from Python where cuda-python's wrapper takes ~9 (DESIGN.md)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL(find_loaded_library("libcuda") or "libcuda.so.1")
+        self.call = lib.cuLaunchKernel
+        u = ctypes.c_uint
+        self.call.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self.call.restype = ctypes.c_int
+
+    def __call__(self, kernel: int, grid: int, block: int, params: int, stream: int) -> int:
+        return self.call(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None)
+
+
 class CudaBackend(GpuBackend):
     name = "cuda"
     vendor = "nvidia"
@@ -125,6 +139,7 @@ class CudaBackend(GpuBackend):
         super().__init__()
         self.driver, self.nvrtc = bindings()
         self.runtime = CudaRuntime()
+        self._launch = DriverLaunch()
         self._thread = threading.local()
 
     def arch(self) -> str:
@@ -136,15 +151,18 @@ class CudaBackend(GpuBackend):
         return f"nvrtc {major}.{minor}"
 
     def compile(self, arch: str) -> bytes:
-        return nvrtc_compile(self.nvrtc, arch)
+        return nvrtc_compile(self.nvrtc, arch, self.defines)
 
     def load(self, image: bytes) -> dict[int, object]:
         self.bind_thread()
         module = check(self.driver.cuModuleLoadData(image), "cuModuleLoadData")
-        return {w: check(self.driver.cuModuleGetFunction(module, f"pkv_copy_{w}".encode()), "cuModuleGetFunction") for w in KERNEL_WIDTHS}
+        functions = {w: check(self.driver.cuModuleGetFunction(module, f"pkv_copy_{w}".encode()), "cuModuleGetFunction") for w in KERNEL_WIDTHS}
+        return {w: int(f) for w, f in functions.items()}
 
     def launch(self, kernel: object, grid: int, block: int, params: int, stream: int) -> None:
-        check(self.driver.cuLaunchKernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, 0), "cuLaunchKernel")
+        err = self._launch(kernel, grid, block, params, stream)
+        if err:
+            check((self.driver.CUresult(err),), "cuLaunchKernel")
 
     def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
         for piece in split_batch(batch, self.max_batch):
@@ -167,11 +185,12 @@ class CudaBackend(GpuBackend):
         return facts
 
 
-def nvrtc_compile(nvrtc, arch: str) -> bytes:
+def nvrtc_compile(nvrtc, arch: str, defines: tuple[str, ...] = ()) -> bytes:
     """NVRTC: the vendor source to a cubin for `arch` (no GPU needed)."""
     source = KERNEL_SOURCE.read_bytes()
     program = check(nvrtc.nvrtcCreateProgram(source, KERNEL_SOURCE.name.encode(), 0, [], []), "nvrtcCreateProgram")
     options = [f"--gpu-architecture={arch}".encode(), f"--include-path={COMMON_KERNEL_DIR}".encode(), b"--std=c++17"]
+    options += [f"-D{d}".encode() for d in defines]
     try:
         err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
         if int(err) != 0:

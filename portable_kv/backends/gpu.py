@@ -162,6 +162,10 @@ class GpuBackend(Backend):
     def __init__(self) -> None:
         super().__init__()
         self.block_quota = int(os.environ.get("PORTABLE_KV_BLOCKS", self.default_block_quota))
+        # Extra preprocessor definitions ("PKV_UNROLL=8,PKV_L2_256B"), for measuring kernel variants.
+        # Streams one batched DMA transfer is spread over: H200 has several copy engines.
+        self.dma_streams = int(os.environ.get("PORTABLE_KV_DMA_STREAMS", 2))
+        self.defines = tuple(d for d in os.environ.get("PORTABLE_KV_DEFINES", "").split(",") if d)
         self._kernels: dict[int, object] | None = None
         self._load_lock = threading.Lock()
         self._local = threading.local()
@@ -213,10 +217,10 @@ class GpuBackend(Backend):
         """Ahead-of-time build if one matches the source and arch, else a cached run-time compile."""
         arch = self.arch()
         name = code_object_name(self.vendor_kernel, arch, self.code_suffix)
-        for directory in prebuilt_dirs():
+        for directory in prebuilt_dirs() if not self.defines else []:
             if (directory / name).is_file():
                 return (directory / name).read_bytes()
-        cached = cache_dir() / f"{Path(name).stem}-{_short(self.compiler_version())}.{self.code_suffix}"
+        cached = cache_dir() / f"{Path(name).stem}-{_short(self.compiler_version() + repr(self.defines))}.{self.code_suffix}"
         if cached.is_file():
             return cached.read_bytes()
         image = self.compile(arch)
@@ -297,21 +301,27 @@ class GpuBackend(Backend):
     def _direct_transfer(self, transfer: Transfer) -> None:
         batch = copy_batch(transfer)
         current = torch.cuda.current_stream(self.device)
-        if current.cuda_stream != 0:
+        pieces = split_even(batch, self.dma_streams)
+        if current.cuda_stream != 0 and len(pieces) == 1:
             self.memcpy_batch(batch, current.cuda_stream)
             return
-        # The batch APIs reject the legacy default stream: run on a side stream
-        # ordered after, and before, everything on the default stream.
-        side = self._side_stream()
-        side.wait_stream(current)
-        self.memcpy_batch(batch, side.cuda_stream)
-        current.wait_stream(side)
+        # Several streams let several copy engines work at once; and the batch
+        # APIs reject the legacy default stream.  Side streams are ordered
+        # after, and before, everything on the current stream.
+        streams = ([current] if current.cuda_stream != 0 else []) + self._side_streams()
+        for stream in streams[1:] if current.cuda_stream != 0 else streams:
+            stream.wait_stream(current)
+        for piece, stream in zip(pieces, streams):
+            self.memcpy_batch(piece, stream.cuda_stream)
+        for stream in streams:
+            if stream is not current:
+                current.wait_stream(stream)
 
-    def _side_stream(self) -> torch.cuda.Stream:
+    def _side_streams(self) -> list[torch.cuda.Stream]:
         local = self._local
-        if not hasattr(local, "side_stream"):
-            local.side_stream = torch.cuda.Stream(self.device)
-        return local.side_stream
+        if not hasattr(local, "side_streams"):
+            local.side_streams = [torch.cuda.Stream(self.device) for _ in range(self.dma_streams)]
+        return local.side_streams
 
     def describe(self) -> dict[str, str]:
         facts = {"arch": self.arch(), "compiler": self.compiler_version(), "block_quota": str(self.block_quota)}
@@ -331,6 +341,15 @@ def _alignment_terms(pair: TensorPair, table: LayerTable) -> int:
 
 def _short(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def split_even(batch: CopyBatch, parts: int) -> list[CopyBatch]:
+    """`parts` pieces of about equal bytes (fewer for a small batch)."""
+    if parts <= 1 or len(batch) < 2 * parts:
+        return [batch]
+    cuts = np.searchsorted(np.cumsum(batch.sizes), [batch.sizes.sum() * i // parts for i in range(1, parts)])
+    bounds = [0, *cuts.tolist(), len(batch)]
+    return [CopyBatch(batch.dst[a:b], batch.src[a:b], batch.sizes[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def split_batch(batch: CopyBatch, limit: int | None) -> list[CopyBatch]:

@@ -15,7 +15,9 @@
 // Both structs below are mirrored field for field by backends/gpu.py.
 
 #define PKV_BLOCK 512
+#ifndef PKV_UNROLL
 #define PKV_UNROLL 4
+#endif
 
 struct PkvTensorJob {                 // one of K or V
   unsigned long long host_base;       // the host pool buffer (page-locked, mapped)

@@ -1,0 +1,50 @@
+"""Measure compile-time variants of the CUDA copy kernel side by side (one GPU call).
+
+    python3 scripts/kernel_variants.py [--blocks 16] [--layers 8]
+
+Each variant is a set of preprocessor definitions (PORTABLE_KV_DEFINES) that
+kernels_cuda/kv_copy.cu or kernels_common/kv_copy.h read; the table gives
+per-layer load (H2D) and all-layer backup (D2H) GB/s against the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from portable_kv import backends
+from portable_kv.backends.cuda import CudaBackend
+from portable_kv.bench import Clock, Workload, add_arguments, bench_pool, ceiling
+
+VARIANTS = ["", "PKV_L2_256B", "PKV_UNROLL=8", "PKV_UNROLL=8,PKV_L2_256B", "PKV_UNROLL=2"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parser.add_argument("--blocks", type=str, default="8,16")
+    args = parser.parse_args()
+    clock = Clock(torch.device("cuda"))
+    ceil = ceiling(clock, torch.device("cuda"), 1 << 30, 10)
+    print(f"ceiling h2d {ceil['h2d']:.1f}  d2h {ceil['d2h']:.1f}  both {ceil['both']:.1f} GB/s")
+    print(f"{'variant':<28} {'blocks':>6} {'page':>5} {'h2d GB/s':>9} {'%':>6} {'d2h GB/s':>9} {'%':>6}")
+    for page_size in (64, 1):
+        w = Workload(args, page_size, 8, torch.device("cuda"))
+        for variant in VARIANTS:
+            os.environ["PORTABLE_KV_DEFINES"] = variant
+            backend = CudaBackend()
+            backends._instances["cuda"] = backend
+            backends.use("cuda")
+            for blocks in (int(b) for b in args.blocks.split(",")):
+                backend.block_quota = blocks
+                host = w.host_pool("page_first_direct", "kernel")
+                load, backup = bench_pool(clock, w, host, "kernel", 10, ceil, "variant", variant)
+                host.close()
+                print(f"{variant or 'default':<28} {blocks:>6} {page_size:>5} {load.gbps:>9.1f} {load.pct_ceiling:>6.1f} {backup.gbps:>9.1f} {backup.pct_ceiling:>6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    with torch.cuda.stream(torch.cuda.Stream()):
+        main()

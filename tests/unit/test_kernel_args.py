@@ -16,7 +16,6 @@ from kvspec import bits
 from portable_kv import backends
 from portable_kv.backends import gpu
 
-
 HEADER = Path(gpu.__file__).resolve().parents[1] / "kernels_common" / "kv_copy.h"
 
 

@@ -1,0 +1,249 @@
+"""AMD: hiprtc or clang/hipcc code objects, loaded through hip-python.
+
+Twin of cuda.py: the same methods in the same order; gpu.py holds the rest.
+On ROCm, torch.cuda streams are HIP streams, so torch's stream handles pass
+straight to the HIP runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from ..plan import CopyBatch
+from .base import BackendUnavailable
+from .gpu import (
+    COMMON_KERNEL_DIR,
+    KERNEL_WIDTHS,
+    PACKAGE_DIR,
+    GpuBackend,
+    as_pointer_array,
+    code_object_name,
+    find_loaded_library,
+    split_batch,
+)
+
+KERNEL_SOURCE = PACKAGE_DIR / "kernels_hip" / "kv_copy.hip"
+HEADER = COMMON_KERNEL_DIR / "kv_copy.h"
+AOT_ARCHS = ("gfx90a", "gfx942", "gfx950")
+BATCH_MIN_VERSION = 70100000  # hipMemcpyBatchAsync appeared in ROCm 7.1 (HIP_VERSION encoding)
+BATCH_MAX_DESCRIPTORS = 8192  # more descriptors in one call fault on some parts
+MEMCPY_DEFAULT = 4  # hipMemcpyDefault
+BITCODE_DIRS = ("/opt/rocm/amdgcn/bitcode", "/opt/rocm/lib/llvm/lib/clang/*/lib/amdgcn/bitcode", "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
+BITCODE_LIBS = ("ockl.bc", "oclc_abi_version_500.bc", "oclc_wavefrontsize64_on.bc")
+
+
+def library_path(stem: str) -> str | None:
+    """A HIP library by file-name stem: already loaded (torch's), else pip-installed or /opt/rocm, versioned names included."""
+    loaded = find_loaded_library(stem)
+    if loaded:
+        return loaded
+    roots = [os.path.join(os.path.dirname(torch.__file__), "lib"), os.environ.get("ROCM_PATH", "/opt/rocm") + "/lib"]
+    for root in roots:
+        found = sorted(glob.glob(os.path.join(root, stem + ".so*")))
+        if found:
+            return found[0]
+    return None
+
+
+def bindings():
+    """hip-python's runtime and hiprtc modules; a clear error when the `rocm` extra is missing.
+
+    hip-python opens libamdhip64.so / libhiprtc.so by their unversioned names on
+    first use; pip-installed ROCm ships only versioned files, so name them.
+    """
+    try:
+        chip, chiprtc = importlib.import_module("hip.chip"), importlib.import_module("hip.chiprtc")
+        hip, hiprtc = importlib.import_module("hip.hip"), importlib.import_module("hip.hiprtc")
+    except ImportError as exc:
+        raise BackendUnavailable(f"hip-python is not importable ({exc}); install it with: pip install 'portable-kv[rocm]'") from exc
+    for module, stem in ((chip, "libamdhip64"), (chiprtc, "libhiprtc")):
+        path = library_path(stem)
+        if path and hasattr(module, "DLL"):
+            module.DLL = path
+    return hip, hiprtc
+
+
+def check(result, what: str):
+    """Unwrap a hip-python (error, *values) tuple, raising with the runtime's name for the error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)} ({int(err)})")
+    return values[0] if len(values) == 1 else values
+
+
+class HipRuntime:
+    """libamdhip64 through ctypes: the batched memcpy (hip-python's wrapper cannot take a
+    sizes array) and the launch (no per-call argument conversion)."""
+
+    def __init__(self, lib=None) -> None:
+        if lib is None:
+            path = library_path("libamdhip64")
+            try:
+                lib = ctypes.CDLL(path or "libamdhip64.so")
+            except OSError as exc:
+                raise BackendUnavailable(f"the HIP runtime (libamdhip64) could not be loaded ({exc}); install ROCm or a ROCm build of torch") from exc
+        self.lib = lib
+        version = ctypes.c_int()
+        self.lib.hipRuntimeGetVersion(ctypes.byref(version))
+        self.version = version.value
+        self.has_batch = self.version >= BATCH_MIN_VERSION and hasattr(self.lib, "hipMemcpyBatchAsync")
+        self.fail_index = ctypes.c_size_t(0)
+        u = ctypes.c_uint
+        self.lib.hipModuleLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.hipModuleLaunchKernel.restype = ctypes.c_int
+
+    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
+        self._check(self.lib.hipModuleLaunchKernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None), "hipModuleLaunchKernel")
+
+    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
+        if not self.has_batch:
+            for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
+                self._check(self.lib.hipMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(size), MEMCPY_DEFAULT, ctypes.c_void_p(stream)), "hipMemcpyAsync")
+            return
+        # numAttrs = 0: ROCm 7.2 answers hipErrorNotSupported to any attribute.
+        self._check(self.lib.hipMemcpyBatchAsync(
+            ctypes.c_void_p(as_pointer_array(batch.dst)),
+            ctypes.c_void_p(as_pointer_array(batch.src)),
+            ctypes.c_void_p(as_pointer_array(batch.sizes)),
+            ctypes.c_size_t(len(batch)),
+            None,
+            None,
+            ctypes.c_size_t(0),
+            ctypes.byref(self.fail_index),
+            ctypes.c_void_p(stream),
+        ), "hipMemcpyBatchAsync")
+
+    def _check(self, err: int, what: str) -> None:
+        if err:
+            self.lib.hipGetErrorName.restype = ctypes.c_char_p
+            raise RuntimeError(f"{what} failed: {self.lib.hipGetErrorName(err).decode()} ({err})")
+
+
+class RocmBackend(GpuBackend):
+    name = "rocm"
+    vendor = "amd"
+    # CDNA needs 8 to 32 blocks in flight to fill PCIe (published SGLang runs:
+    # 24 GB/s at 2 blocks, ~55 at 8-32); not yet measured here on MI300.
+    default_block_quota = 32
+    vendor_kernel = KERNEL_SOURCE
+    code_suffix = "hsaco"
+    max_batch = BATCH_MAX_DESCRIPTORS
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if not getattr(torch.version, "hip", None):
+            return "torch is not a ROCm build"
+        if not torch.cuda.is_available():
+            return "no ROCm GPU is visible"
+        if importlib.util.find_spec("hip") is None:
+            return "hip-python is not installed (pip install 'portable-kv[rocm]')"
+        return None
+
+    def __init__(self, runtime: HipRuntime | None = None) -> None:
+        super().__init__()
+        self.hip, self.hiprtc = bindings()
+        self.runtime = runtime or HipRuntime()
+
+    def arch(self) -> str:
+        # "gfx942:sramecc+:xnack-": the features matter to hiprtc's --offload-arch.
+        return torch.cuda.get_device_properties(self.device).gcnArchName
+
+    def compiler_version(self) -> str:
+        major, minor = check(self.hiprtc.hiprtcVersion(), "hiprtcVersion")
+        return f"hiprtc {major}.{minor}"
+
+    def compile(self, arch: str) -> bytes:
+        return hiprtc_compile(self.hiprtc, arch, self.defines)
+
+    def load(self, image: bytes) -> dict[int, object]:
+        module = check(self.hip.hipModuleLoadData(image), "hipModuleLoadData")
+        functions = {w: check(self.hip.hipModuleGetFunction(module, f"pkv_copy_{w}".encode()), "hipModuleGetFunction") for w in KERNEL_WIDTHS}
+        return {w: int(f) for w, f in functions.items()}
+
+    def launch(self, kernel: object, grid: int, block: int, params: int, stream: int) -> None:
+        self.runtime.launch(kernel, grid, block, params, stream)
+
+    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
+        for piece in split_batch(batch, self.max_batch):
+            self.runtime.memcpy_batch(piece, stream)
+
+    def describe(self) -> dict[str, str]:
+        facts = super().describe()
+        facts["hip runtime"] = str(self.runtime.version)
+        facts["direct"] = "hipMemcpyBatchAsync" if self.runtime.has_batch else "hipMemcpyAsync loop"
+        return facts
+
+
+def hiprtc_compile(hiprtc, arch: str, defines: tuple[str, ...] = ()) -> bytes:
+    """hiprtc: the vendor source to a code object for `arch`; the shared header is passed as a program header."""
+    program = check(hiprtc.hiprtcCreateProgram(KERNEL_SOURCE.read_bytes(), KERNEL_SOURCE.name.encode(), 1,
+                                               [HEADER.read_bytes()], [HEADER.name.encode()]), "hiprtcCreateProgram")
+    options = [f"--offload-arch={arch}".encode(), b"-O3", b"-std=c++17"] + [f"-D{d}".encode() for d in defines]
+    try:
+        err, = hiprtc.hiprtcCompileProgram(program, len(options), options)
+        if int(err) != 0:
+            size = check(hiprtc.hiprtcGetProgramLogSize(program), "hiprtcGetProgramLogSize")
+            log = bytearray(size)
+            check(hiprtc.hiprtcGetProgramLog(program, log), "hiprtcGetProgramLog")
+            raise BackendUnavailable(f"hiprtc failed to compile {KERNEL_SOURCE.name} for {arch}:\n{bytes(log).decode(errors='replace')}")
+        size = check(hiprtc.hiprtcGetCodeSize(program), "hiprtcGetCodeSize")
+        code = bytearray(size)
+        check(hiprtc.hiprtcGetCode(program, code), "hiprtcGetCode")
+        return bytes(code)
+    finally:
+        hiprtc.hiprtcDestroyProgram(program)
+
+
+def find_bitcode_dir() -> Path | None:
+    candidates = [os.environ["PORTABLE_KV_HIP_BITCODE"]] if os.environ.get("PORTABLE_KV_HIP_BITCODE") else []
+    for pattern in BITCODE_DIRS:
+        candidates += sorted(glob.glob(pattern))
+    for directory in candidates:
+        if all((Path(directory) / lib).is_file() for lib in BITCODE_LIBS):
+            return Path(directory)
+    return None
+
+
+def clang_command(arch: str, out: Path, clang: str | None = None) -> list[str]:
+    """The offline compile: hipcc where ROCm is installed, else clang with Debian's HIP headers and device bitcode."""
+    hipcc = shutil.which("hipcc") if clang is None else None
+    if hipcc:
+        return [hipcc, f"--offload-arch={arch}", "--genco", "-O3", "-std=c++17", f"-I{COMMON_KERNEL_DIR}", "-o", str(out), str(KERNEL_SOURCE)]
+    clang = clang or os.environ.get("PORTABLE_KV_CLANG") or shutil.which("clang++-19") or shutil.which("clang++")
+    bitcode = find_bitcode_dir()
+    if clang is None or bitcode is None:
+        raise BackendUnavailable(
+            "no HIP compiler found: install ROCm (hipcc), or clang-19 with Debian's libamdhip64-dev and rocm-device-libs "
+            "(apt-get install clang-19 lld-19 libamdhip64-dev rocm-device-libs)"
+        )
+    link = [arg for lib in BITCODE_LIBS for arg in ("-Xclang", "-mlink-builtin-bitcode", "-Xclang", str(bitcode / lib))]
+    return [clang, "-x", "hip", f"--offload-arch={arch}", "--offload-device-only", "-nogpulib", "--no-gpu-bundle-output",
+            "-O3", "-std=c++17", f"-I{COMMON_KERNEL_DIR}", *link, "-c", str(KERNEL_SOURCE), "-o", str(out)]
+
+
+def clang_build(out_dir: Path, archs: tuple[str, ...] = AOT_ARCHS, clang: str | None = None) -> list[Path]:
+    """Ahead of time: one code object per arch the compiler knows, named so that the loader prefers it."""
+    written, unknown = [], []
+    for arch in archs:
+        out = out_dir / code_object_name(KERNEL_SOURCE, arch, "hsaco")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = clang_command(arch, out, clang)
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            if any(s in result.stderr.lower() for s in ("invalid target id", "unsupported", "invalid offload arch", "unknown target")):
+                unknown.append(arch)  # e.g. gfx950 before LLVM 20
+                continue
+            raise BackendUnavailable(f"HIP compile failed for {arch}: {' '.join(cmd)}\n{result.stderr}")
+        written.append(out)
+    if not written:
+        raise BackendUnavailable(f"the HIP compiler knows none of {', '.join(archs)}")
+    return written

@@ -65,12 +65,13 @@ class CudaRuntime:
     wrapper converts them element by element, ctypes passes numpy's buffers.
     """
 
-    def __init__(self, path: str | None = None) -> None:
-        path = path or find_loaded_library("libcudart") or "libcudart.so"
-        try:
-            self.lib = ctypes.CDLL(path)
-        except OSError as exc:
-            raise BackendUnavailable(f"the CUDA runtime library could not be loaded ({exc}); install a CUDA build of torch") from exc
+    def __init__(self, lib=None) -> None:
+        if lib is None:
+            try:
+                lib = ctypes.CDLL(find_loaded_library("libcudart") or "libcudart.so")
+            except OSError as exc:
+                raise BackendUnavailable(f"the CUDA runtime library could not be loaded ({exc}); install a CUDA build of torch") from exc
+        self.lib = lib
         version = ctypes.c_int()
         self.lib.cudaRuntimeGetVersion(ctypes.byref(version))
         self.version = version.value
@@ -197,7 +198,10 @@ def nvrtc_compile(nvrtc, arch: str, defines: tuple[str, ...] = ()) -> bytes:
             size = check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
             log = b" " * size
             check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
-            raise BackendUnavailable(f"NVRTC failed to compile {KERNEL_SOURCE.name} for {arch}:\n{log.decode(errors='replace')}")
+            raise BackendUnavailable(
+                f"NVRTC failed to compile {KERNEL_SOURCE.name} for {arch}:\n{log.decode(errors='replace')}\n"
+                "fix: install an NVRTC that knows this GPU (pip install -U nvidia-cuda-nvrtc), or build ahead of time: portable-kv build --vendor cuda"
+            )
         size = check(nvrtc.nvrtcGetCUBINSize(program), "nvrtcGetCUBINSize")
         cubin = b" " * size
         check(nvrtc.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")

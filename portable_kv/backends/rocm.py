@@ -194,7 +194,10 @@ def hiprtc_compile(hiprtc, arch: str, defines: tuple[str, ...] = ()) -> bytes:
             size = check(hiprtc.hiprtcGetProgramLogSize(program), "hiprtcGetProgramLogSize")
             log = bytearray(size)
             check(hiprtc.hiprtcGetProgramLog(program, log), "hiprtcGetProgramLog")
-            raise BackendUnavailable(f"hiprtc failed to compile {KERNEL_SOURCE.name} for {arch}:\n{bytes(log).decode(errors='replace')}")
+            raise BackendUnavailable(
+                f"hiprtc failed to compile {KERNEL_SOURCE.name} for {arch}:\n{bytes(log).decode(errors='replace')}\n"
+                "fix: use a ROCm whose compiler knows this GPU, or build ahead of time: portable-kv build --vendor rocm --arch <gfx>"
+            )
         size = check(hiprtc.hiprtcGetCodeSize(program), "hiprtcGetCodeSize")
         code = bytearray(size)
         check(hiprtc.hiprtcGetCode(program, code), "hiprtcGetCode")

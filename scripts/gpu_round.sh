@@ -23,7 +23,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 if command -v compute-sanitizer >/dev/null && [ -z "${SKIP_SANITIZER:-}" ]; then
   step memcheck
-  timeout 240 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q -x -p no:cacheprovider \
+  timeout 240 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 -m pytest -q -x -p no:cacheprovider \
     tests/conformance/test_transfers.py tests/gpu -k "cuda and not triton" > "$OUT/memcheck.txt" 2>&1
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.txt" | tee -a "$LOG"
 fi

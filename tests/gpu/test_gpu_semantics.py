@@ -128,3 +128,28 @@ def test_two_threads_two_streams(gpu, io):
             got = bits(dev.k_buffer[layer][idx])
             want = bits(host.k_buffer[first : first + 8, layer].reshape(-1, 4, 192))
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct", "page_head"])
+def test_direct_over_several_streams_moves_every_chunk(gpu, streams, layout):
+    dev = pk.DeviceKVPool(3, 1024, P, 4, 192, 128, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout=layout, io_backend="direct")
+    gen = torch.Generator().manual_seed(streams)
+    for t in list(dev.k_buffer) + list(dev.v_buffer):
+        randomize(t, gen)
+    saved, gpu.dma_streams = gpu.dma_streams, streams
+    try:
+        src = page_tokens(torch.randperm(64, generator=gen)[:40], P)
+        host_idx = page_tokens(torch.randperm(128, generator=gen)[:40], P)
+        dst = page_tokens(torch.randperm(64, generator=gen)[:40], P)
+        original = [bits(t) for t in dev.k_buffer + dev.v_buffer]
+        host.backup_from_device_all_layer(dev, host_idx, src)
+        for t in dev.k_buffer + dev.v_buffer:
+            t.zero_()
+        host.load_to_device_all_layer(dev, host_idx, dst)
+        torch.cuda.synchronize()
+        for got, want in zip([bits(t) for t in dev.k_buffer + dev.v_buffer], original):
+            assert torch.equal(got[dst], want[src])
+    finally:
+        gpu.dma_streams = saved

@@ -59,5 +59,6 @@ def test_gpu_seen_but_backend_unusable_falls_back_with_a_warning(monkeypatch):
     monkeypatch.setattr(backends, "_current", None)
     monkeypatch.setattr(backends, "detect", lambda: "cuda")
     monkeypatch.setattr(backends, "unavailable_reason", lambda name: None if name == "cpu" else "no CUDA GPU is visible")
+    monkeypatch.setattr(backends, "_instances", {})
     with pytest.warns(UserWarning, match="backend 'cuda' cannot run here.*falling back to the cpu backend"):
         assert backends.current().name == "cpu"

@@ -62,15 +62,16 @@ class TensorPair:
     device: Sequence[torch.Tensor]  # per-layer device buffers, (tokens, heads, dim)
     strides: HostStrides
     chunks: Chunking
+    registration_tokens: int = 0  # host memory registered in pieces of this many tokens; no copy may span two
 
     @property
     def device_token_bytes(self) -> int:
         return self.strides.row_bytes * self.strides.heads
 
 
-def tensor_pair(host: torch.Tensor, device: Sequence[torch.Tensor], layout: str, page_size: int) -> TensorPair:
+def tensor_pair(host: torch.Tensor, device: Sequence[torch.Tensor], layout: str, page_size: int, registration_tokens: int = 0) -> TensorPair:
     strides = host_strides(host, layout, page_size)
-    return TensorPair(host, layout, device, strides, chunking(strides))
+    return TensorPair(host, layout, device, strides, chunking(strides), registration_tokens)
 
 
 class IndexPair:
@@ -144,6 +145,8 @@ def token_runs(host_idx: np.ndarray, dev_idx: np.ndarray, pair: TensorPair, page
     follows = (np.diff(host_idx) == 1) & (np.diff(dev_idx) == 1)
     if s.page != page_size * s.token:  # pages are not adjacent on the host: a run ends with its page
         follows &= host_idx[1:] % page_size != 0
+    if pair.registration_tokens:  # a DMA copy must not span two host registrations
+        follows &= host_idx[1:] % pair.registration_tokens != 0
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     return starts, np.diff(np.append(starts, n))
 
@@ -151,7 +154,7 @@ def token_runs(host_idx: np.ndarray, dev_idx: np.ndarray, pair: TensorPair, page
 def run_offsets(indices: IndexPair, pair: TensorPair, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host offsets, device offsets and byte sizes of the merged runs, before the layer and
     head-group terms; kept with the indices, which an engine passes to every layer."""
-    key = (pair.strides, pair.chunks, page_size)
+    key = (pair.strides, pair.chunks, page_size, pair.registration_tokens)
     cached = indices._runs.get(key)
     if cached is None:
         host_idx, dev_idx = indices.numpy()

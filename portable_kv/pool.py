@@ -9,6 +9,7 @@ for the index tensors an engine passes to every per-layer call, so a model's
 from __future__ import annotations
 
 import math
+import mmap
 import operator
 import os
 from collections.abc import Sequence
@@ -23,6 +24,11 @@ from .layout import LAYOUTS, PAGE_LAYOUTS, canonical_view, check_layout, host_sh
 from .plan import IdentityCache, IndexPair, TensorPair, Transfer, tensor_pair
 
 INDEX_DTYPES = (torch.int64, torch.int32)
+HOST_MEMORY = ("pinned", "registered")
+# Registered host memory is split into pieces of whole pages: a page-major layout
+# keeps every copy inside one page, so inside one registration.
+REGISTERED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
+REGISTRATION_BYTES = 1 << 30
 
 
 class DeviceKVPool:
@@ -123,6 +129,7 @@ class AsymmetricHostPool:
         io_backend: str = "direct",
         pin_memory: bool = True,
         validate: bool = True,
+        host_memory: str = "pinned",
     ) -> None:
         self.backend: Backend = backends.current()
         self.layout = check_layout(layout)
@@ -144,11 +151,17 @@ class AsymmetricHostPool:
         self.pin_memory = bool(pin_memory) and self.backend.pins_memory
         if self.io_backend == "kernel" and self.backend.device.type != "cpu" and not self.pin_memory:
             raise ValueError("io_backend='kernel': GPU threads read host memory directly, which needs pin_memory=True")
+        self.host_memory = self._check_host_memory_kind(host_memory)
         _check_host_memory(self.size * token_bytes)
         shape_k = host_shape(layout, self.layer_num, self.page_num, self.page_size, geometry.k_heads, geometry.k_dim)
         shape_v = host_shape(layout, self.layer_num, self.page_num, self.page_size, geometry.v_heads, geometry.v_dim)
-        self.k_buffer = self._allocate(shape_k)
-        self.v_buffer = self._allocate(shape_v)
+        self._registrations: list[int] = []
+        self._registration_tokens = 0
+        if self.host_memory == "registered":
+            self.k_buffer, self.v_buffer = self._allocate_registered(shape_k), self._allocate_registered(shape_v)
+        else:
+            self.k_buffer = self._allocate(shape_k)
+            self.v_buffer = self._allocate(shape_v)
         self.closed = False
         self._validated: tuple | None = None
         self._bound: tuple | None = None
@@ -164,6 +177,45 @@ class AsymmetricHostPool:
                 f"host pool: page-locking {nbytes / 1e9:.2f} GB was refused ({exc}); lower host_size_gb or "
                 "host_to_device_ratio, raise the locked-memory limit (ulimit -l), or pass pin_memory=False with io_backend='direct'"
             ) from exc
+
+    def _check_host_memory_kind(self, host_memory: str) -> str:
+        if host_memory not in HOST_MEMORY:
+            raise ValueError(f"host_memory: expected one of {', '.join(HOST_MEMORY)}, got {host_memory!r}")
+        if host_memory == "registered":
+            if self.layout not in REGISTERED_LAYOUTS:
+                raise ValueError(f"host_memory='registered': expected a page-major layout ({', '.join(REGISTERED_LAYOUTS)}), got {self.layout!r}")
+            if self.io_backend == "kernel" and self.backend.vendor == "amd":
+                # hipHostRegister may map the range at another device address than the host's.
+                raise ValueError("host_memory='registered' on ROCm: use io_backend='direct' (zero-copy kernels need hipHostMalloc memory)")
+        return host_memory
+
+    def _allocate_registered(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Anonymous mmap, page-locked in pieces of whole KV pages, so that no copy spans two
+        registrations (one huge registration can take minutes or fail on large pools)."""
+        nbytes = math.prod(shape) * _itemsize(self.dtype)
+        page_bytes = nbytes // self.page_num
+        pages_per_piece = max(1, REGISTRATION_BYTES // page_bytes)
+        memory = mmap.mmap(-1, nbytes)
+        buffer = torch.frombuffer(memory, dtype=torch.uint8).view(self.dtype).view(shape)
+        base = buffer.data_ptr()
+        for offset in range(0, nbytes, pages_per_piece * page_bytes):
+            size = min(pages_per_piece * page_bytes, nbytes - offset)
+            try:
+                device_address = self.backend.register_host(base + offset, size)
+            except RuntimeError as exc:
+                self._unregister()
+                raise MemoryError(f"host pool: registering {size / 1e9:.2f} GB at offset {offset} was refused ({exc}); raise the locked-memory limit (ulimit -l) or use host_memory='pinned'") from exc
+            self._registrations.append(base + offset)
+            if device_address != base + offset and self.io_backend == "kernel":
+                self._unregister()
+                raise ValueError("host_memory='registered': this GPU maps registered memory at another address; use io_backend='direct'")
+        self._registration_tokens = pages_per_piece * self.page_size
+        return buffer
+
+    def _unregister(self) -> None:
+        for address in self._registrations:
+            self.backend.unregister_host(address)
+        self._registrations = []
 
     # -- transfers (API.md) ------------------------------------------------------------
 
@@ -199,8 +251,8 @@ class AsymmetricHostPool:
             return bound[1], bound[2]
         geometry = self._check_device_pool(device_pool)
         pairs = (
-            tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size),
-            tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size),
+            tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size, self._registration_tokens),
+            tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size, self._registration_tokens),
         )
         self._bound = (device_pool, geometry, pairs)
         return geometry, pairs
@@ -331,6 +383,7 @@ class AsymmetricHostPool:
         if self.closed:
             return
         self.backend.synchronize()
+        self._unregister()
         self.closed = True
         self.k_buffer = self.v_buffer = None
         self._validated = self._bound = None

@@ -39,6 +39,14 @@ class Backend(ABC):
     def allocate_host(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=pin and self.pins_memory)
 
+    def register_host(self, address: int, nbytes: int) -> int:
+        """Page-lock and map an existing host range; returns its device address (here: itself)."""
+        return address
+
+    def unregister_host(self, address: int) -> None:
+        """Undo register_host."""
+        return None
+
     @abstractmethod
     def transfer(self, transfer: Transfer, io_backend: str) -> None:
         """Enqueue one validated transfer on the current stream of self.device."""

@@ -25,6 +25,7 @@ BATCH_MIN_VERSION = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
 BATCH_FAILIDX_UNTIL = 13000  # 12.8/12.9 take a failIdx argument; 13.0 dropped it
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream; 0 is invalid
 MEMCPY_HOST_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_DEFAULT = 1, 2, 4
+REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 def bindings():
@@ -98,6 +99,16 @@ class CudaRuntime:
             args.append(ctypes.byref(self.fail_index))
         args.append(ctypes.c_void_p(stream))
         self._check(self.lib.cudaMemcpyBatchAsync(*args), "cudaMemcpyBatchAsync")
+
+    def register_host(self, address: int, nbytes: int) -> int:
+        """Page-lock and map [address, address + nbytes); returns the device address of it."""
+        self._check(self.lib.cudaHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), REGISTER_FLAGS), "cudaHostRegister")
+        device = ctypes.c_void_p()
+        self._check(self.lib.cudaHostGetDevicePointer(ctypes.byref(device), ctypes.c_void_p(address), 0), "cudaHostGetDevicePointer")
+        return device.value or 0
+
+    def unregister_host(self, address: int) -> None:
+        self._check(self.lib.cudaHostUnregister(ctypes.c_void_p(address)), "cudaHostUnregister")
 
     def _check(self, err: int, what: str) -> None:
         if err:

@@ -208,6 +208,12 @@ class GpuBackend(Backend):
     def bind_thread(self) -> None:
         """Make the device's context current on this thread, where the runtime needs it."""
 
+    def register_host(self, address: int, nbytes: int) -> int:
+        return self.runtime.register_host(address, nbytes)
+
+    def unregister_host(self, address: int) -> None:
+        self.runtime.unregister_host(address)
+
     def stream(self) -> int:
         """The handle of the current torch stream: transfers are ordered on it."""
         return _raw_stream(self.device.index)

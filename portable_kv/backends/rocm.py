@@ -36,6 +36,7 @@ HEADER = COMMON_KERNEL_DIR / "kv_copy.h"
 AOT_ARCHS = ("gfx90a", "gfx942", "gfx950")
 BATCH_MIN_VERSION = 70100000  # hipMemcpyBatchAsync appeared in ROCm 7.1 (HIP_VERSION encoding)
 BATCH_MAX_DESCRIPTORS = 8192  # more descriptors in one call fault on some parts
+REGISTER_FLAGS = 3  # hipHostRegisterPortable | hipHostRegisterMapped
 MEMCPY_DEFAULT = 4  # hipMemcpyDefault
 BITCODE_DIRS = ("/opt/rocm/amdgcn/bitcode", "/opt/rocm/lib/llvm/lib/clang/*/lib/amdgcn/bitcode", "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 BITCODE_LIBS = ("ockl.bc", "oclc_abi_version_500.bc", "oclc_wavefrontsize64_on.bc")
@@ -121,6 +122,16 @@ class HipRuntime:
             ctypes.byref(self.fail_index),
             ctypes.c_void_p(stream),
         ), "hipMemcpyBatchAsync")
+
+    def register_host(self, address: int, nbytes: int) -> int:
+        """Page-lock and map [address, address + nbytes); returns the device address of it."""
+        self._check(self.lib.hipHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), REGISTER_FLAGS), "hipHostRegister")
+        device = ctypes.c_void_p()
+        self._check(self.lib.hipHostGetDevicePointer(ctypes.byref(device), ctypes.c_void_p(address), 0), "hipHostGetDevicePointer")
+        return device.value or 0
+
+    def unregister_host(self, address: int) -> None:
+        self._check(self.lib.hipHostUnregister(ctypes.c_void_p(address)), "hipHostUnregister")
 
     def _check(self, err: int, what: str) -> None:
         if err:

@@ -193,3 +193,18 @@ def test_split_even_covers_every_descriptor_once():
     assert len(pieces) == 3 and sum(len(p) for p in pieces) == 1001
     assert np.array_equal(np.concatenate([p.dst for p in pieces]), b.dst)
     assert gpu.split_even(batch(3), 2)[0] is not None and len(gpu.split_even(batch(3), 2)) == 1
+
+
+@pytest.mark.parametrize("module,lib_version,symbols,prefix", [
+    (cuda, 13000, CUDART_SYMBOLS + ("cudaHostRegister", "cudaHostGetDevicePointer", "cudaHostUnregister"), "cuda"),
+    (rocm, 70200000, HIP_SYMBOLS + ("hipHostRegister", "hipHostGetDevicePointer", "hipHostUnregister"), "hip"),
+])
+def test_host_registration_is_portable_and_mapped(module, lib_version, symbols, prefix):
+    lib = FakeLib(lib_version, symbols)
+    runtime = module.CudaRuntime(lib=lib) if prefix == "cuda" else module.HipRuntime(lib)
+    runtime.register_host(1 << 20, 4096)
+    runtime.unregister_host(1 << 20)
+    names = [name for name, _ in lib.calls if "Host" in name]
+    assert names == [f"{prefix}HostRegister", f"{prefix}HostGetDevicePointer", f"{prefix}HostUnregister"]
+    (_, register_args), = [c for c in lib.calls if c[0] == f"{prefix}HostRegister"]
+    assert register_args == [1 << 20, 4096, 3]

@@ -1,0 +1,69 @@
+"""host_memory='registered': mmap'ed host memory page-locked in pieces of whole pages;
+no DMA copy may span two pieces, and transfers stay byte-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvspec import bits, page_tokens, randomize
+
+import portable_kv as pk
+from portable_kv import pool as pool_module
+from portable_kv.plan import Transfer, copy_batch
+
+
+@pytest.fixture
+def recorded(monkeypatch, backend):
+    calls = {"register": [], "unregister": []}
+    original = backend.register_host
+
+    def register(address, nbytes):
+        calls["register"].append((address, nbytes))
+        return original(address, nbytes)
+
+    monkeypatch.setattr(backend, "register_host", register)
+    monkeypatch.setattr(backend, "unregister_host", lambda address: calls["unregister"].append(address))
+    monkeypatch.setattr(pool_module, "REGISTRATION_BYTES", 3 * 4 * 2 * 24 * 2 * 4)  # three pages of K
+    return calls
+
+
+@pytest.mark.parametrize("io", ["direct", "kernel"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head"])
+def test_registered_pool_roundtrip_and_pieces(backend, recorded, layout, io, gen):
+    if io not in backend.io_backends or (io == "kernel" and backend.vendor == "amd"):
+        pytest.skip(f"{backend.name} has no {io} path over registered memory")
+    dev = pk.DeviceKVPool(2, 64, 4, 2, 24, 16, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=io, host_memory="registered")
+    k_pieces = [r for r in recorded["register"] if host.k_buffer.data_ptr() <= r[0] < host.k_buffer.data_ptr() + host.k_buffer.numel() * 2]
+    page_bytes = host.k_buffer.numel() * 2 // host.page_num
+    assert all(size % page_bytes == 0 for _, size in k_pieces), "pieces are whole pages"
+    assert sum(size for _, size in k_pieces) == host.k_buffer.numel() * 2 and len(k_pieces) > 1
+    for t in dev.k_buffer + dev.v_buffer:
+        randomize(t, gen)
+    # Consecutive host pages across a piece boundary: a merged run would span two registrations.
+    host_idx = torch.arange(0, 40)
+    dev_idx = page_tokens(torch.randperm(16, generator=gen)[:10], 4)
+    dev_idx = dev_idx.to(dev.device)
+    host.backup_from_device_all_layer(dev, host_idx, dev_idx)
+    geometry, pairs = host._bind(dev)
+    batch = copy_batch(Transfer(False, pairs, host._indices(host_idx.clone(), dev_idx.clone(), dev.size, False), range(2), 4))
+    ranges = sorted(recorded["register"])
+    for dst, size in zip(batch.dst.tolist(), batch.sizes.tolist()):
+        assert any(a <= dst and dst + size <= a + n for a, n in ranges), "a copy spans two registrations"
+    original = [bits(t[dev_idx]) for t in dev.k_buffer + dev.v_buffer]
+    for t in dev.k_buffer + dev.v_buffer:
+        t.zero_()
+    host.load_to_device_all_layer(dev, host_idx, dev_idx)
+    backend.synchronize()
+    for got, want in zip([bits(t[dev_idx]) for t in dev.k_buffer + dev.v_buffer], original):
+        assert torch.equal(got, want)
+    host.close()
+    assert sorted(recorded["unregister"]) == sorted(a for a, _ in recorded["register"])
+
+
+def test_registered_needs_a_page_major_layout(backend):
+    dev = pk.DeviceKVPool(1, 32, 4, 1, 8, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="host_memory='registered'.*page-major"):
+        pk.AsymmetricHostPool(dev, layout="layer_first", io_backend=backend.io_backends[0], host_memory="registered")
+    with pytest.raises(ValueError, match="host_memory.*pinned, registered"):
+        pk.AsymmetricHostPool(dev, host_memory="hugepages")

@@ -15,14 +15,18 @@ from portable_kv.plan import Transfer, copy_batch
 @pytest.fixture
 def recorded(monkeypatch, backend):
     calls = {"register": [], "unregister": []}
-    original = backend.register_host
+    register, unregister = backend.register_host, backend.unregister_host
 
-    def register(address, nbytes):
+    def recording_register(address, nbytes):
         calls["register"].append((address, nbytes))
-        return original(address, nbytes)
+        return register(address, nbytes)
 
-    monkeypatch.setattr(backend, "register_host", register)
-    monkeypatch.setattr(backend, "unregister_host", lambda address: calls["unregister"].append(address))
+    def recording_unregister(address):
+        calls["unregister"].append(address)
+        unregister(address)
+
+    monkeypatch.setattr(backend, "register_host", recording_register)
+    monkeypatch.setattr(backend, "unregister_host", recording_unregister)
     monkeypatch.setattr(pool_module, "REGISTRATION_BYTES", 3 * 4 * 2 * 24 * 2 * 4)  # three pages of K
     return calls
 

@@ -184,9 +184,8 @@ class AsymmetricHostPool:
         if host_memory == "registered":
             if self.layout not in REGISTERED_LAYOUTS:
                 raise ValueError(f"host_memory='registered': expected a page-major layout ({', '.join(REGISTERED_LAYOUTS)}), got {self.layout!r}")
-            if self.io_backend == "kernel" and self.backend.vendor == "amd":
-                # hipHostRegister may map the range at another device address than the host's.
-                raise ValueError("host_memory='registered' on ROCm: use io_backend='direct' (zero-copy kernels need hipHostMalloc memory)")
+            if self.io_backend == "kernel" and not self.backend.kernel_reads_registered_memory:
+                raise ValueError(f"host_memory='registered' with backend {self.backend.name!r}: use io_backend='direct' (its kernels need page-locked allocations)")
         return host_memory
 
     def _allocate_registered(self, shape: tuple[int, ...]) -> torch.Tensor:

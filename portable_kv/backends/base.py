@@ -19,6 +19,9 @@ class Backend(ABC):
     name: str
     vendor: str  # "nvidia" | "amd" | "cpu"
     io_backends: tuple[str, ...] = IO_BACKENDS
+    # Whether the `kernel` io backend can read host memory that was registered
+    # (mmap + HostRegister) rather than allocated page-locked.
+    kernel_reads_registered_memory: bool = True
 
     def __init__(self) -> None:
         self.device = self._device()

@@ -148,6 +148,8 @@ class RocmBackend(GpuBackend):
     vendor_kernel = KERNEL_SOURCE
     code_suffix = "hsaco"
     max_batch = BATCH_MAX_DESCRIPTORS
+    # hipHostRegister may map a range at another device address than the host's (DESIGN.md).
+    kernel_reads_registered_memory = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

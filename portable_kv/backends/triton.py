@@ -81,6 +81,8 @@ def tile(chunk_words: int) -> tuple[int, int]:
 
 class TritonBackend(Backend):
     name = "triton"
+    # Triton's launcher refuses registered (mmap) host pointers (seen on the H200).
+    kernel_reads_registered_memory = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -34,7 +34,7 @@ def recorded(monkeypatch, backend):
 @pytest.mark.parametrize("io", ["direct", "kernel"])
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head"])
 def test_registered_pool_roundtrip_and_pieces(backend, recorded, layout, io, gen):
-    if io not in backend.io_backends or (io == "kernel" and backend.vendor == "amd"):
+    if io not in backend.io_backends or (io == "kernel" and not backend.kernel_reads_registered_memory):
         pytest.skip(f"{backend.name} has no {io} path over registered memory")
     dev = pk.DeviceKVPool(2, 64, 4, 2, 24, 16, dtype=torch.bfloat16)
     host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=io, host_memory="registered")
@@ -71,3 +71,6 @@ def test_registered_needs_a_page_major_layout(backend):
         pk.AsymmetricHostPool(dev, layout="layer_first", io_backend=backend.io_backends[0], host_memory="registered")
     with pytest.raises(ValueError, match="host_memory.*pinned, registered"):
         pk.AsymmetricHostPool(dev, host_memory="hugepages")
+    if not backend.kernel_reads_registered_memory and "kernel" in backend.io_backends:
+        with pytest.raises(ValueError, match="host_memory='registered' with backend.*use io_backend='direct'"):
+            pk.AsymmetricHostPool(dev, layout="page_first", io_backend="kernel", host_memory="registered")

@@ -102,17 +102,7 @@ def ceiling(clock: Clock, device: torch.device, nbytes: int, reps: int) -> dict[
     d2h, _ = clock.time(lambda: host.copy_(dev, non_blocking=True), reps)
     result = {"h2d": nbytes / h2d / 1e9, "d2h": nbytes / d2h / 1e9}
     if clock.gpu:
-        side = torch.cuda.Stream()
-
-        def both():
-            side.wait_stream(torch.cuda.current_stream())
-            dev.copy_(host, non_blocking=True)
-            with torch.cuda.stream(side):
-                host2.copy_(dev2, non_blocking=True)
-            torch.cuda.current_stream().wait_stream(side)
-
-        t, _ = clock.time(both, reps)
-        result["both"] = 2 * nbytes / t / 1e9
+        result["both"] = both_ways(clock, (dev, host), (host2, dev2), reps)
         # The same bytes as 4 copies on 4 streams: one copy engine per stream, where
         # a single memcpy may use one; reported beside the ceiling, not instead of it.
         streams = [torch.cuda.Stream() for _ in range(4)]
@@ -293,22 +283,27 @@ def both_directions(clock: Clock, w: Workload, reps: int, ceil: dict, name: str,
                100 * nbytes / t / 1e9 / ceil["both"], cpu * 1e6)
 
 
-def bulk_both(clock: Clock, nbytes: int, reps: int, ceil: dict) -> Row:
-    """Two bulk memcpys of `nbytes` each, opposite ways on two streams: is the transfer size the limit?"""
-    host, host2 = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
-    dev, dev2 = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+def both_ways(clock: Clock, load: tuple[torch.Tensor, torch.Tensor], backup: tuple[torch.Tensor, torch.Tensor], reps: int) -> float:
+    """GB/s of two bulk copies (dst, src) at once, opposite ways on two streams."""
     side = torch.cuda.Stream()
 
     def both():
         side.wait_stream(torch.cuda.current_stream())
-        dev.copy_(host, non_blocking=True)
+        load[0].copy_(load[1], non_blocking=True)
         with torch.cuda.stream(side):
-            host2.copy_(dev2, non_blocking=True)
+            backup[0].copy_(backup[1], non_blocking=True)
         torch.cuda.current_stream().wait_stream(side)
 
     t, _ = clock.time(both, reps)
-    return Row("both", f"bulk pinned memcpy both ways, {nbytes / 1e6:.0f} MB each", "both", 0, 2 * nbytes / t / 1e9,
-               100 * 2 * nbytes / t / 1e9 / ceil["both"])
+    return (load[0].numel() + backup[0].numel()) / t / 1e9
+
+
+def bulk_both(clock: Clock, nbytes: int, reps: int, ceil: dict) -> Row:
+    """Two bulk memcpys of `nbytes` each, opposite ways on two streams: is the transfer size the limit?"""
+    host, host2 = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    dev, dev2 = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+    gbps = both_ways(clock, (dev, host), (host2, dev2), reps)
+    return Row("both", f"bulk pinned memcpy both ways, {nbytes / 1e6:.0f} MB each", "both", 0, gbps, 100 * gbps / ceil["both"])
 
 
 def interference(clock: Clock, w: Workload, name: str, reps: int) -> list[Row]:

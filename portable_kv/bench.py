@@ -231,33 +231,27 @@ def unmerged_batch(clock, w, backend, host_k, host_v, reps, ceil) -> list[Row]:
     return rows
 
 
-def quota_sweep(clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list[Row]:
-    """Kernel bandwidth against its block quota: where the default comes from."""
+def sweep(clock: Clock, w: Workload, reps: int, ceil: dict, io: str, setting: str, values: tuple[int, ...], label: str) -> list[Row]:
+    """Bandwidth against one backend setting (block_quota, dma_streams): where its default comes from."""
     backend = backends.current()
     rows = []
-    saved = backend.block_quota
-    host = w.host_pool("page_first_direct", "kernel")
+    saved = getattr(backend, setting)
+    host = w.host_pool("page_first_direct", io)
     try:
-        for blocks in (2, 4, 8, 16, 24, 32, 64, 132):
-            backend.block_quota = blocks
-            for row in bench_pool(clock, w, host, "kernel", reps, ceil, "quota", f"{name} kernel, {blocks} blocks"):
-                row.extra["blocks"] = blocks
+        for value in values:
+            setattr(backend, setting, value)
+            for row in bench_pool(clock, w, host, io, reps, ceil, setting, label.format(value)):
+                row.extra[setting] = value
                 rows.append(row)
     finally:
-        backend.block_quota = saved
-        host.close()
-    saved = backend.dma_streams
-    host = w.host_pool("page_first_direct", "direct")
-    try:
-        for streams in (1, 2, 4):
-            backend.dma_streams = streams
-            for row in bench_pool(clock, w, host, "direct", reps, ceil, "streams", f"{name} direct, {streams} streams"):
-                row.extra["streams"] = streams
-                rows.append(row)
-    finally:
-        backend.dma_streams = saved
+        setattr(backend, setting, saved)
         host.close()
     return rows
+
+
+def quota_sweep(clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list[Row]:
+    return (sweep(clock, w, reps, ceil, "kernel", "block_quota", (2, 4, 8, 16, 24, 32, 64, 132), f"{name} kernel, {{}} blocks")
+            + sweep(clock, w, reps, ceil, "direct", "dma_streams", (1, 2, 4), f"{name} direct, {{}} streams"))
 
 
 def both_directions(clock: Clock, w: Workload, reps: int, ceil: dict, name: str, load_io: str, backup_io: str) -> Row:

@@ -141,8 +141,8 @@ class Workload:
         self.host_idx = (torch.randperm(dev_pages, generator=gen)[: self.pages, None] * page_size + offsets).reshape(-1)
         self.layer_bytes = self.pages * page_size * self.token_layer_bytes
 
-    def host_pool(self, layout: str, io: str) -> AsymmetricHostPool:
-        return AsymmetricHostPool(self.dev, host_to_device_ratio=1.0, layout=layout, io_backend=io)
+    def host_pool(self, layout: str, io: str, host_memory: str = "pinned") -> AsymmetricHostPool:
+        return AsymmetricHostPool(self.dev, host_to_device_ratio=1.0, layout=layout, io_backend=io, host_memory=host_memory)
 
 
 def bench_pool(clock: Clock, w: Workload, host: AsymmetricHostPool, io: str, reps: int, ceil: dict, section: str, name: str) -> list[Row]:
@@ -249,14 +249,29 @@ def sweep(clock: Clock, w: Workload, reps: int, ceil: dict, io: str, setting: st
     return rows
 
 
+def host_memory_rows(clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list[Row]:
+    """Registered (mmap, 2 MiB pages) against page-locked host memory: does the page size of
+    the host buffer change what scattered reads over PCIe cost?"""
+    rows = []
+    for io in backends.current().io_backends:
+        if io == "kernel" and not backends.current().kernel_reads_registered_memory:
+            continue
+        host = w.host_pool("page_first_direct", io, "registered")
+        rows += bench_pool(clock, w, host, io, reps, ceil, "host_memory", f"{name} page_first_direct {io}, registered")
+        host.close()
+    return rows
+
+
 def quota_sweep(clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list[Row]:
     return (sweep(clock, w, reps, ceil, "kernel", "block_quota", (2, 4, 8, 16, 24, 32, 64, 132), f"{name} kernel, {{}} blocks")
             + sweep(clock, w, reps, ceil, "direct", "dma_streams", (1, 2, 4), f"{name} direct, {{}} streams"))
 
 
-def both_directions(clock: Clock, w: Workload, reps: int, ceil: dict, name: str, load_io: str, backup_io: str) -> Row:
+def both_directions(clock: Clock, w: Workload, reps: int, ceil: dict, name: str, load_io: str, backup_io: str,
+                    host_memory: str = "pinned") -> Row:
     """A load and a backup at once, on two streams, as an engine overlaps prefetch and write-back: the total."""
-    load_pool, backup_pool = w.host_pool("page_first_direct", load_io), w.host_pool("page_first_direct", backup_io)
+    load_pool = w.host_pool("page_first_direct", load_io, host_memory)
+    backup_pool = w.host_pool("page_first_direct", backup_io, host_memory)
     half = w.pages // 2 * w.page_size
     load_idx = (w.host_idx[:half].clone(), w.dev_idx[:half].clone())
     backup_idx = (w.host_idx[half:].clone(), w.dev_idx[half:].clone())
@@ -273,7 +288,7 @@ def both_directions(clock: Clock, w: Workload, reps: int, ceil: dict, name: str,
     load_pool.close()
     backup_pool.close()
     nbytes = 2 * half * w.token_layer_bytes
-    return Row("both", f"{name} load {load_io} + backup {backup_io} at once", "both", w.page_size, nbytes / t / 1e9,
+    return Row("both", f"{name} load {load_io} + backup {backup_io} at once" + (f", {host_memory}" if host_memory != "pinned" else ""), "both", w.page_size, nbytes / t / 1e9,
                100 * nbytes / t / 1e9 / ceil["both"], cpu * 1e6)
 
 
@@ -407,11 +422,16 @@ def run(args: argparse.Namespace) -> int:
             if gpu and page_size in (64, 1) and name != "triton":
                 progress(f"  {name} block quota sweep")
                 rows += quota_sweep(clock, w, reps, ceil, name)
+                progress(f"  {name} registered host memory")
+                rows += host_memory_rows(clock, w, reps, ceil, name)
             if gpu and page_size == 64:
                 ios = backends.current().io_backends
                 for load_io in ios:
                     for backup_io in ios:
                         rows.append(both_directions(clock, w, reps, ceil, name, load_io, backup_io))
+                if backends.current().kernel_reads_registered_memory:
+                    rows.append(both_directions(clock, w, reps, ceil, name, "kernel", "kernel", "registered"))
+                    rows.append(both_directions(clock, w, reps, ceil, name, "kernel", "direct", "registered"))
                 if name == names[0]:
                     rows.append(bulk_both(clock, w.pages // 2 * w.page_size * w.token_layer_bytes, reps, ceil))
                 if name != "triton":

@@ -195,6 +195,10 @@ class AsymmetricHostPool:
         page_bytes = nbytes // self.page_num
         pages_per_piece = max(1, REGISTRATION_BYTES // page_bytes)
         memory = mmap.mmap(-1, nbytes)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            # 2 MiB pages: fewer translations for the GPU (and IOMMU) to walk
+            # when kernels read scattered pages over PCIe.
+            memory.madvise(mmap.MADV_HUGEPAGE)
         buffer = torch.frombuffer(memory, dtype=torch.uint8).view(self.dtype).view(shape)
         base = buffer.data_ptr()
         for offset in range(0, nbytes, pages_per_piece * page_bytes):
@@ -404,7 +408,8 @@ class AsymmetricHostPool:
 
 
 def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
-    return isinstance(given, Sequence) and len(given) == len(bound) and all(map(operator.is_, given, bound))
+    # type() first: isinstance against the Sequence ABC costs a microsecond a call.
+    return (type(given) in (list, tuple) or isinstance(given, Sequence)) and len(given) == len(bound) and all(map(operator.is_, given, bound))
 
 
 def _positive_int(name: str, value: Any) -> int:

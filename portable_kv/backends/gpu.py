@@ -267,6 +267,7 @@ class GpuBackend(Backend):
         if not hasattr(local, "args"):
             self.bind_thread()
             local.args = CopyArgs()
+            local.second_job = local.args.job[1]  # ctypes builds a proxy on every item access: keep one
             local.params = (ctypes.c_void_p * 1)(ctypes.addressof(local.args))
             local.template = None
         return local.args, ctypes.addressof(local.params)
@@ -292,7 +293,7 @@ class GpuBackend(Backend):
             args.error_flag = self._error_flag.data_ptr()
             self._local.template = template
         rows = transfer.tokens * len(transfer.layers)
-        args.job[1].vec_begin = rows * template.vecs_per_row[0]
+        self._local.second_job.vec_begin = rows * template.vecs_per_row[0]
         args.total_vecs = rows * (template.vecs_per_row[0] + template.vecs_per_row[1])
         args.host_indices, args.device_indices = host_indices.data_ptr(), device_indices.data_ptr()
         args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)

@@ -196,8 +196,8 @@ class AsymmetricHostPool:
         pages_per_piece = max(1, REGISTRATION_BYTES // page_bytes)
         memory = mmap.mmap(-1, nbytes)
         if hasattr(mmap, "MADV_HUGEPAGE"):
-            # 2 MiB pages: fewer translations for the GPU (and IOMMU) to walk
-            # when kernels read scattered pages over PCIe.
+            # 2 MiB pages keep the page tables of a very large pool small; on the
+            # H200 they did not change bandwidth (NOTES.md, v3).
             memory.madvise(mmap.MADV_HUGEPAGE)
         buffer = torch.frombuffer(memory, dtype=torch.uint8).view(self.dtype).view(shape)
         base = buffer.data_ptr()

@@ -17,7 +17,7 @@ import torch
 
 from ..plan import CopyBatch
 from .base import BackendUnavailable
-from .gpu import COMMON_KERNEL_DIR, KERNEL_WIDTHS, PACKAGE_DIR, GpuBackend, as_pointer_array, find_loaded_library, split_batch
+from .gpu import COMMON_KERNEL_DIR, KERNEL_WIDTHS, PACKAGE_DIR, GpuBackend, as_pointer_array, find_loaded_library
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_cuda" / "kv_copy.cu"
 AOT_ARCHS = ("sm_80", "sm_90", "sm_100")
@@ -175,10 +175,6 @@ class CudaBackend(GpuBackend):
         err = self._launch(kernel, grid, block, params, stream)
         if err:
             check((self.driver.CUresult(err),), "cuLaunchKernel")
-
-    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
-        for piece in split_batch(batch, self.max_batch):
-            self.runtime.memcpy_batch(piece, stream)
 
     def bind_thread(self) -> None:
         # The driver API needs the primary context current on each calling thread;

@@ -201,9 +201,10 @@ class GpuBackend(Backend):
     def launch(self, kernel: object, grid: int, block: int, params: int, stream: int) -> None:
         """Launch with `params` the address of the kernel's void* argument array."""
 
-    @abstractmethod
     def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
         """Enqueue every chunk of `batch` on `stream` (never the legacy default stream)."""
+        for piece in split_batch(batch, self.max_batch):
+            self.runtime.memcpy_batch(piece, stream)
 
     def bind_thread(self) -> None:
         """Make the device's context current on this thread, where the runtime needs it."""

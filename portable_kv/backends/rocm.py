@@ -28,7 +28,6 @@ from .gpu import (
     as_pointer_array,
     code_object_name,
     find_loaded_library,
-    split_batch,
 )
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_hip" / "kv_copy.hip"
@@ -184,10 +183,6 @@ class RocmBackend(GpuBackend):
 
     def launch(self, kernel: object, grid: int, block: int, params: int, stream: int) -> None:
         self.runtime.launch(kernel, grid, block, params, stream)
-
-    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
-        for piece in split_batch(batch, self.max_batch):
-            self.runtime.memcpy_batch(piece, stream)
 
     def describe(self) -> dict[str, str]:
         facts = super().describe()

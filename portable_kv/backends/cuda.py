@@ -17,15 +17,13 @@ import torch
 
 from ..plan import CopyBatch
 from .base import BackendUnavailable
-from .gpu import COMMON_KERNEL_DIR, KERNEL_WIDTHS, PACKAGE_DIR, GpuBackend, as_pointer_array, find_loaded_library
+from .gpu import COMMON_KERNEL_DIR, KERNEL_WIDTHS, PACKAGE_DIR, GpuBackend, RuntimeLibrary, as_pointer_array, find_loaded_library
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_cuda" / "kv_copy.cu"
 AOT_ARCHS = ("sm_80", "sm_90", "sm_100")
 BATCH_MIN_VERSION = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
 BATCH_FAILIDX_UNTIL = 13000  # 12.8/12.9 take a failIdx argument; 13.0 dropped it
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream; 0 is invalid
-MEMCPY_HOST_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_DEFAULT = 1, 2, 4
-REGISTER_FLAGS = 3  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 def bindings():
@@ -59,12 +57,11 @@ class MemcpyAttributes(ctypes.Structure):
     ]
 
 
-class CudaRuntime:
-    """The CUDA runtime library torch already loaded, called through ctypes.
+class CudaRuntime(RuntimeLibrary):
+    """The CUDA runtime library torch already loaded."""
 
-    The batched memcpy takes arrays of thousands of pointers; cuda-python's
-    wrapper converts them element by element, ctypes passes numpy's buffers.
-    """
+    prefix = "cuda"
+    batch_min_version = BATCH_MIN_VERSION
 
     def __init__(self, lib=None) -> None:
         if lib is None:
@@ -72,20 +69,12 @@ class CudaRuntime:
                 lib = ctypes.CDLL(find_loaded_library("libcudart") or "libcudart.so")
             except OSError as exc:
                 raise BackendUnavailable(f"the CUDA runtime library could not be loaded ({exc}); install a CUDA build of torch") from exc
-        self.lib = lib
-        version = ctypes.c_int()
-        self.lib.cudaRuntimeGetVersion(ctypes.byref(version))
-        self.version = version.value
-        self.has_batch = self.version >= BATCH_MIN_VERSION and hasattr(self.lib, "cudaMemcpyBatchAsync")
+        super().__init__(lib)
         self.attrs = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
         self.attrs_index = ctypes.c_size_t(0)
-        self.fail_index = ctypes.c_size_t(0)
 
-    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
-        if not self.has_batch:
-            for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
-                self._check(self.lib.cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(size), MEMCPY_DEFAULT, ctypes.c_void_p(stream)), "cudaMemcpyAsync")
-            return
+    def batch_call(self, batch: CopyBatch, stream: int) -> int:
+        # One attribute entry (srcAccessOrder = stream) for every copy.
         args = [
             ctypes.c_void_p(as_pointer_array(batch.dst)),
             ctypes.c_void_p(as_pointer_array(batch.src)),
@@ -98,22 +87,7 @@ class CudaRuntime:
         if self.version < BATCH_FAILIDX_UNTIL:
             args.append(ctypes.byref(self.fail_index))
         args.append(ctypes.c_void_p(stream))
-        self._check(self.lib.cudaMemcpyBatchAsync(*args), "cudaMemcpyBatchAsync")
-
-    def register_host(self, address: int, nbytes: int) -> int:
-        """Page-lock and map [address, address + nbytes); returns the device address of it."""
-        self._check(self.lib.cudaHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), REGISTER_FLAGS), "cudaHostRegister")
-        device = ctypes.c_void_p()
-        self._check(self.lib.cudaHostGetDevicePointer(ctypes.byref(device), ctypes.c_void_p(address), 0), "cudaHostGetDevicePointer")
-        return device.value or 0
-
-    def unregister_host(self, address: int) -> None:
-        self._check(self.lib.cudaHostUnregister(ctypes.c_void_p(address)), "cudaHostUnregister")
-
-    def _check(self, err: int, what: str) -> None:
-        if err:
-            self.lib.cudaGetErrorName.restype = ctypes.c_char_p
-            raise RuntimeError(f"{what} failed: {self.lib.cudaGetErrorName(err).decode()} ({err})")
+        return self.lib.cudaMemcpyBatchAsync(*args)
 
 
 class DriverLaunch:

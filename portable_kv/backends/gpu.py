@@ -28,6 +28,8 @@ COMMON_KERNEL_DIR = PACKAGE_DIR / "kernels_common"
 KERNEL_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; one entry point each (kv_copy.h)
 BLOCK = 512  # threads per block: PKV_BLOCK in kv_copy.h
 UNROLL = 4  # vectors in flight per thread: PKV_UNROLL in kv_copy.h
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault = hipMemcpyDefault: direction from the addresses
+REGISTER_FLAGS = 3  # Portable | Mapped, the same bits for cudaHostRegister and hipHostRegister
 
 
 class TensorJob(ctypes.Structure):
@@ -149,6 +151,59 @@ class JobTemplate:
             for name, value in fields.items():
                 setattr(job, name, value)
         args.job[0].vec_begin = 0
+
+
+class RuntimeLibrary:
+    """A vendor runtime library (libcudart, libamdhip64) called through ctypes.
+
+    The batched memcpy takes arrays of thousands of pointers, which the
+    vendors' Python wrappers convert element by element (or, hip-python,
+    cannot take at all); ctypes passes numpy's buffers.  Everything here is
+    the same for both vendors but the prefix of the names; the batch call's
+    signature differs and lives in each subclass.
+    """
+
+    prefix: str  # "cuda" | "hip"
+    batch_min_version: int
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+        version = ctypes.c_int()
+        self._fn("RuntimeGetVersion")(ctypes.byref(version))
+        self.version = version.value
+        self.has_batch = self.version >= self.batch_min_version and hasattr(lib, f"{self.prefix}MemcpyBatchAsync")
+        self.fail_index = ctypes.c_size_t(0)
+
+    def _fn(self, name: str):
+        return getattr(self.lib, self.prefix + name)
+
+    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
+        if self.has_batch:
+            self.check(self.batch_call(batch, stream), f"{self.prefix}MemcpyBatchAsync")
+            return
+        copy = self._fn("MemcpyAsync")
+        for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
+            self.check(copy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(size), MEMCPY_DEFAULT, ctypes.c_void_p(stream)), f"{self.prefix}MemcpyAsync")
+
+    def batch_call(self, batch: CopyBatch, stream: int) -> int:
+        """One batched memcpy call; returns the runtime's error code."""
+        raise NotImplementedError
+
+    def register_host(self, address: int, nbytes: int) -> int:
+        """Page-lock and map [address, address + nbytes); returns the device address of it."""
+        self.check(self._fn("HostRegister")(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), REGISTER_FLAGS), f"{self.prefix}HostRegister")
+        device = ctypes.c_void_p()
+        self.check(self._fn("HostGetDevicePointer")(ctypes.byref(device), ctypes.c_void_p(address), 0), f"{self.prefix}HostGetDevicePointer")
+        return device.value or 0
+
+    def unregister_host(self, address: int) -> None:
+        self.check(self._fn("HostUnregister")(ctypes.c_void_p(address)), f"{self.prefix}HostUnregister")
+
+    def check(self, err: int, what: str) -> None:
+        if err:
+            name = self._fn("GetErrorName")
+            name.restype = ctypes.c_char_p
+            raise RuntimeError(f"{what} failed: {name(err).decode()} ({err})")
 
 
 class GpuBackend(Backend):

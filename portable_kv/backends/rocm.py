@@ -25,6 +25,7 @@ from .gpu import (
     KERNEL_WIDTHS,
     PACKAGE_DIR,
     GpuBackend,
+    RuntimeLibrary,
     as_pointer_array,
     code_object_name,
     find_loaded_library,
@@ -35,8 +36,6 @@ HEADER = COMMON_KERNEL_DIR / "kv_copy.h"
 AOT_ARCHS = ("gfx90a", "gfx942", "gfx950")
 BATCH_MIN_VERSION = 70100000  # hipMemcpyBatchAsync appeared in ROCm 7.1 (HIP_VERSION encoding)
 BATCH_MAX_DESCRIPTORS = 8192  # more descriptors in one call fault on some parts
-REGISTER_FLAGS = 3  # hipHostRegisterPortable | hipHostRegisterMapped
-MEMCPY_DEFAULT = 4  # hipMemcpyDefault
 BITCODE_DIRS = ("/opt/rocm/amdgcn/bitcode", "/opt/rocm/lib/llvm/lib/clang/*/lib/amdgcn/bitcode", "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 BITCODE_LIBS = ("ockl.bc", "oclc_abi_version_500.bc", "oclc_wavefrontsize64_on.bc")
 
@@ -80,9 +79,12 @@ def check(result, what: str):
     return values[0] if len(values) == 1 else values
 
 
-class HipRuntime:
-    """libamdhip64 through ctypes: the batched memcpy (hip-python's wrapper cannot take a
-    sizes array) and the launch (no per-call argument conversion)."""
+class HipRuntime(RuntimeLibrary):
+    """libamdhip64: the batched memcpy (hip-python's wrapper cannot take a sizes array)
+    and the launch (no per-call argument conversion)."""
+
+    prefix = "hip"
+    batch_min_version = BATCH_MIN_VERSION
 
     def __init__(self, lib=None) -> None:
         if lib is None:
@@ -91,26 +93,17 @@ class HipRuntime:
                 lib = ctypes.CDLL(path or "libamdhip64.so")
             except OSError as exc:
                 raise BackendUnavailable(f"the HIP runtime (libamdhip64) could not be loaded ({exc}); install ROCm or a ROCm build of torch") from exc
-        self.lib = lib
-        version = ctypes.c_int()
-        self.lib.hipRuntimeGetVersion(ctypes.byref(version))
-        self.version = version.value
-        self.has_batch = self.version >= BATCH_MIN_VERSION and hasattr(self.lib, "hipMemcpyBatchAsync")
-        self.fail_index = ctypes.c_size_t(0)
+        super().__init__(lib)
         u = ctypes.c_uint
         self.lib.hipModuleLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.hipModuleLaunchKernel.restype = ctypes.c_int
 
     def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
-        self._check(self.lib.hipModuleLaunchKernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None), "hipModuleLaunchKernel")
+        self.check(self.lib.hipModuleLaunchKernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None), "hipModuleLaunchKernel")
 
-    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
-        if not self.has_batch:
-            for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
-                self._check(self.lib.hipMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(size), MEMCPY_DEFAULT, ctypes.c_void_p(stream)), "hipMemcpyAsync")
-            return
+    def batch_call(self, batch: CopyBatch, stream: int) -> int:
         # numAttrs = 0: ROCm 7.2 answers hipErrorNotSupported to any attribute.
-        self._check(self.lib.hipMemcpyBatchAsync(
+        return self.lib.hipMemcpyBatchAsync(
             ctypes.c_void_p(as_pointer_array(batch.dst)),
             ctypes.c_void_p(as_pointer_array(batch.src)),
             ctypes.c_void_p(as_pointer_array(batch.sizes)),
@@ -120,22 +113,7 @@ class HipRuntime:
             ctypes.c_size_t(0),
             ctypes.byref(self.fail_index),
             ctypes.c_void_p(stream),
-        ), "hipMemcpyBatchAsync")
-
-    def register_host(self, address: int, nbytes: int) -> int:
-        """Page-lock and map [address, address + nbytes); returns the device address of it."""
-        self._check(self.lib.hipHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), REGISTER_FLAGS), "hipHostRegister")
-        device = ctypes.c_void_p()
-        self._check(self.lib.hipHostGetDevicePointer(ctypes.byref(device), ctypes.c_void_p(address), 0), "hipHostGetDevicePointer")
-        return device.value or 0
-
-    def unregister_host(self, address: int) -> None:
-        self._check(self.lib.hipHostUnregister(ctypes.c_void_p(address)), "hipHostUnregister")
-
-    def _check(self, err: int, what: str) -> None:
-        if err:
-            self.lib.hipGetErrorName.restype = ctypes.c_char_p
-            raise RuntimeError(f"{what} failed: {self.lib.hipGetErrorName(err).decode()} ({err})")
+        )
 
 
 class RocmBackend(GpuBackend):

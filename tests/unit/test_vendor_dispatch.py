@@ -95,7 +95,7 @@ def test_rocm_before_7_1_falls_back_to_a_memcpy_loop():
     assert not runtime.has_batch
     runtime.memcpy_batch(batch(5), STREAM)
     calls = [args for name, args in lib.calls if name == "hipMemcpyAsync"]
-    assert len(calls) == 5 and calls[0][2:] == [64, rocm.MEMCPY_DEFAULT, STREAM]
+    assert len(calls) == 5 and calls[0][2:] == [64, gpu.MEMCPY_DEFAULT, STREAM]
 
 
 def test_rocm_missing_hip_python_says_how_to_install(monkeypatch):

@@ -15,6 +15,26 @@ class BackendUnavailable(RuntimeError):
     """A backend cannot run here; the message names the cause and the fix."""
 
 
+class BadIndexFlag:
+    """The flag the copy kernels set when they skip an index outside its pool.
+
+    It lives in page-locked, mapped host memory on a GPU, so the host reads it
+    without synchronising; the next call (or check()) turns it into an error.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=device.type != "cpu")
+        self._view = self.tensor.numpy()
+
+    def check(self) -> None:
+        if self._view[0]:
+            self._view[0] = 0
+            raise RuntimeError(
+                "portable_kv: an earlier transfer met token indices outside the pools and skipped them "
+                "(nothing outside the pools was written); validate indices, or keep validate=True"
+            )
+
+
 class Backend(ABC):
     name: str
     vendor: str  # "nvidia" | "amd" | "cpu"

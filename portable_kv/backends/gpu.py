@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..plan import CopyBatch, IdentityCache, TensorPair, Transfer, copy_batch
-from .base import Backend, BackendUnavailable
+from .base import Backend, BackendUnavailable, BadIndexFlag
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 COMMON_KERNEL_DIR = PACKAGE_DIR / "kernels_common"
@@ -227,10 +227,7 @@ class GpuBackend(Backend):
         self._local = threading.local()
         self._tables = IdentityCache()
         self._templates: dict[int, tuple] = {}
-        # A bad index found by a kernel is reported through mapped host memory:
-        # the host reads it without synchronising.
-        self._error_flag = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type != "cpu")
-        self._error_view = self._error_flag.numpy()
+        self.bad_index = BadIndexFlag(self.device)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
@@ -308,12 +305,7 @@ class GpuBackend(Backend):
 
     def check_errors(self) -> None:
         """Raise if a kernel met an index outside its pool since the last check."""
-        if self._error_view[0]:
-            self._error_view[0] = 0
-            raise RuntimeError(
-                "portable_kv: an earlier transfer met token indices outside the pools and skipped them "
-                "(nothing outside the pools was written); validate indices, or keep validate=True"
-            )
+        self.bad_index.check()
 
     def _layer_table(self, buffers: Sequence[torch.Tensor]) -> LayerTable:
         return self._tables.get(buffers, lambda: LayerTable(buffers, self.device))
@@ -346,7 +338,7 @@ class GpuBackend(Backend):
         template = self._template(transfer.pairs)
         if self._local.template is not template:
             template.write(args)
-            args.error_flag = self._error_flag.data_ptr()
+            args.error_flag = self.bad_index.tensor.data_ptr()
             self._local.template = template
         rows = transfer.tokens * len(transfer.layers)
         self._local.second_job.vec_begin = rows * template.vecs_per_row[0]

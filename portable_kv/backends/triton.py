@@ -16,7 +16,7 @@ import os
 import torch
 
 from ..plan import IdentityCache, TensorPair, Transfer
-from .base import Backend
+from .base import Backend, BadIndexFlag
 from .gpu import LayerTable, access_width
 
 WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -97,7 +97,7 @@ class TritonBackend(Backend):
         self.vendor = "cpu" if self.device.type == "cpu" else ("amd" if getattr(torch.version, "hip", None) else "nvidia")
         self.block_quota = int(os.environ.get("PORTABLE_KV_BLOCKS", 32 if self.vendor == "amd" else 16))
         self._tables = IdentityCache()
-        self._error_flag = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type != "cpu")
+        self.bad_index = BadIndexFlag(self.device)
 
     def _device(self) -> torch.device:
         if torch.cuda.is_available() and not interpreted():
@@ -112,9 +112,7 @@ class TritonBackend(Backend):
         return get("rocm" if self.vendor == "amd" else "cuda")
 
     def transfer(self, transfer: Transfer, io_backend: str) -> None:
-        if self._error_flag[0].item():
-            self._error_flag.zero_()
-            raise RuntimeError("portable_kv: an earlier transfer met token indices outside the pools and skipped them")
+        self.bad_index.check()
         if io_backend == "direct":
             self._dma().transfer(transfer, "direct")
             return
@@ -131,7 +129,7 @@ class TritonBackend(Backend):
         ITEMS, WORDS = tile(c.chunk_bytes // word)
         grid = (max(1, min(self.block_quota * 4, -(-items // ITEMS))),)
         kernel()[grid](
-            pair.host.view(-1).view(WORD_DTYPES[word]), table.addresses, host_indices, device_indices, self._error_flag,
+            pair.host.view(-1).view(WORD_DTYPES[word]), table.addresses, host_indices, device_indices, self.bad_index.tensor,
             items, transfer.tokens, transfer.layers.start, c.groups, c.chunk_bytes // word, transfer.page_size,
             s.page // word, s.token // word, s.layer // word, c.host_group // word,
             pair.device_token_bytes // word, c.device_group // word, s.tokens, pair.device[0].shape[0],

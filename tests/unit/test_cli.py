@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from portable_kv import backends
 from portable_kv.cli import main
 
 
@@ -20,8 +21,14 @@ def test_check_passes_every_layout_and_io(capsys):
 
 
 def test_bench_writes_table_and_json(tmp_path, capsys):
+    """The CPU-backend run, on any machine (a GPU machine's full bench belongs to scripts/gpu_round.sh)."""
     path = tmp_path / "bench.json"
-    assert main(["bench", "--quick", "--page-size", "4", "--pages", "4", "--layers", "2", "--reps", "2", "--json", str(path)]) == 0
+    before = backends.current().name
+    backends.use("cpu")
+    try:
+        assert main(["bench", "--quick", "--page-size", "4", "--pages", "4", "--reps", "2", "--backends", "cpu", "--json", str(path)]) == 0
+    finally:
+        backends.use(before)
     out = capsys.readouterr().out
     assert "say nothing about GPUs" in out and "ceiling" in out
     data = json.loads(path.read_text())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -102,9 +103,11 @@ class IndexPair:
         return host.numpy(), dev.numpy()
 
 
-@dataclass(frozen=True)
-class Transfer:
-    """One validated call: which tokens, which layers, which way, K and V."""
+class Transfer(NamedTuple):
+    """One validated call: which tokens, which layers, which way, K and V.
+
+    A named tuple, not a dataclass: one is built per call, and a frozen
+    dataclass costs a microsecond more to build (host CPU time per call)."""
 
     to_device: bool
     pairs: tuple[TensorPair, TensorPair]  # K, V

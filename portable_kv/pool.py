@@ -235,23 +235,35 @@ class AsymmetricHostPool:
         self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), False, io_backend)
 
     def _transfer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: range, to_device: bool, io_backend: str | None) -> None:
-        self._check_open()
+        if self.closed:
+            raise ValueError("host pool: the pool is closed")
         io = self.io_backend if io_backend is None else self._check_io(io_backend)
-        geometry, pairs = self._bind(device_pool)
+        geometry, pairs = self._bind(device_pool, layers)
         indices = self._indices(host_indices, device_indices, geometry.tokens, to_device)
         if indices.tokens:
             self.backend.transfer(Transfer(to_device, pairs, indices, layers, self.page_size), io)
 
-    def _bind(self, device_pool: Any) -> tuple[_DeviceGeometry, tuple[TensorPair, TensorPair]]:
+    def _bind(self, device_pool: Any, layers: range) -> tuple[_DeviceGeometry, tuple[TensorPair, TensorPair]]:
         """The device pool's checked geometry and the K/V tensor pairs, kept for the pool an engine passes every call.
 
-        The check is by identity of every per-layer tensor: an engine that swaps
-        a buffer gets it checked again.
+        The check is by identity of the per-layer tensors that the call moves:
+        an engine that swaps a buffer gets it (and the whole pool) checked again
+        when that layer next moves.  A per-layer call checks two tensors, not
+        all of them: it is on the per-call host-time budget.
         """
         k, v = getattr(device_pool, "k_buffer", None), getattr(device_pool, "v_buffer", None)
         bound = self._bound
-        if bound is not None and _same_tensors(k, bound[2][0].device) and _same_tensors(v, bound[2][1].device):
-            return bound[1], bound[2]
+        if bound is not None:
+            bk, bv = bound[2][0].device, bound[2][1].device
+            if bound[0] is device_pool and type(k) is list and type(v) is list and len(k) == len(bk) and len(v) == len(bv):
+                if len(layers) == 1:
+                    if k[layers.start] is bk[layers.start] and v[layers.start] is bv[layers.start]:
+                        return bound[1], bound[2]
+                elif all(map(operator.is_, k[layers.start:layers.stop], bk[layers.start:layers.stop])) and \
+                        all(map(operator.is_, v[layers.start:layers.stop], bv[layers.start:layers.stop])):
+                    return bound[1], bound[2]
+            elif _same_tensors(k, bk) and _same_tensors(v, bv):
+                return bound[1], bound[2]
         geometry = self._check_device_pool(device_pool)
         pairs = (
             tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size, self._registration_tokens),
@@ -295,14 +307,15 @@ class AsymmetricHostPool:
         return g
 
     def _indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor, device_tokens: int, to_device: bool) -> IndexPair:
+        cached = self._validated
+        if cached is not None and host_indices is cached[0] and device_indices is cached[1] and \
+                cached[2] == (host_indices._version, device_indices._version, device_tokens, to_device):
+            return cached[3]  # the engine's per-layer calls pass the same, unchanged index tensors
         host = _index_tensor("host_indices", host_indices)
         dev = _index_tensor("device_indices", device_indices)
         if host.numel() != dev.numel():
             raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
         key = (host._version, dev._version, device_tokens, to_device)
-        cached = self._validated
-        if cached is not None and cached[0] is host and cached[1] is dev and cached[2] == key:
-            return cached[3]
         if host.device != dev.device:
             dev = dev.to(host.device)
         pair = IndexPair(host.long(), dev.long())
@@ -315,7 +328,7 @@ class AsymmetricHostPool:
                 _check_whole_pages("device_indices", dev_np, self.page_size, self.layout)
             # Two writes to one slot would race on a GPU: the result would depend on timing.
             _check_unique("device_indices" if to_device else "host_indices", dev_np if to_device else host_np)
-        self._validated = (host, dev, key, pair)
+        self._validated = (host_indices, device_indices, key, pair)  # the caller's tensors, before any conversion
         return pair
 
     # -- pages for storage tiers -------------------------------------------------------

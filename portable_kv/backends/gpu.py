@@ -335,6 +335,7 @@ class GpuBackend(Backend):
         a call writes the ten fields that depend on its indices and layers.
         """
         args, params = self._args()
+        self._local.launch = None  # the struct changes under any launch prepared from it
         template = self._template(transfer.pairs)
         if self._local.template is not template:
             template.write(args)
@@ -350,9 +351,21 @@ class GpuBackend(Backend):
         return args, params, template.width
 
     def _kernel_transfer(self, transfer: Transfer) -> None:
-        host_indices, device_indices = transfer.indices.on(self.device)
+        # An engine loads layer after layer with the same pools and indices: then
+        # only the layer changes, and the rest of the launch is reused.
+        local = self._local
+        launch = getattr(local, "launch", None)
+        if launch is None or launch[0] is not transfer.pairs or launch[1] is not transfer.indices or \
+                launch[2] != (transfer.to_device, len(transfer.layers), self.block_quota):
+            launch = local.launch = self._prepare_launch(transfer)
+        local.args.layer_begin = transfer.layers.start
+        self.launch(launch[3], launch[4], BLOCK, launch[5], self.stream())
+
+    def _prepare_launch(self, transfer: Transfer) -> tuple:
+        host_indices, device_indices = transfer.indices.on(self.device)  # kept alive by the IndexPair
         args, params, width = self.kernel_args(transfer, host_indices, device_indices)
-        self.launch(self.kernels()[width], grid_size(args.total_vecs, self.block_quota), BLOCK, params, self.stream())
+        return (transfer.pairs, transfer.indices, (transfer.to_device, len(transfer.layers), self.block_quota),
+                self.kernels()[width], grid_size(args.total_vecs, self.block_quota), params)
 
     def _direct_transfer(self, transfer: Transfer) -> None:
         batch = copy_batch(transfer)

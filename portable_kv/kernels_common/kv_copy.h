@@ -37,26 +37,34 @@ struct PkvCopyArgs {
   long long total_vecs, to_device;
 };
 
+#ifdef PKV_INDEX32
+typedef unsigned int pkv_index_t;  // variant under measurement: 32-bit division (sizes < 2^32 only)
+#else
+typedef long long pkv_index_t;
+#endif
+
 // Where vector `v` comes from and goes to; false (and the error flag set) for
 // an index outside its pool, which is then not copied.
 template <typename Vec>
 __device__ __forceinline__ bool pkv_locate(const PkvCopyArgs& a, long long v, const char** src, char** dst) {
   const PkvTensorJob& t = a.job[v >= a.job[1].vec_begin ? 1 : 0];
-  const long long vecs_per_chunk = t.chunk_bytes / (long long)sizeof(Vec);
-  const long long local = v - t.vec_begin;
-  long long item = local / vecs_per_chunk;
-  const long long byte = (local - item * vecs_per_chunk) * (long long)sizeof(Vec);
-  const long long group = item % t.groups;
-  item /= t.groups;
-  const long long i = item % a.tokens;
-  const long long layer = a.layer_begin + item / a.tokens;
+  const pkv_index_t vecs_per_chunk = (pkv_index_t)(t.chunk_bytes / (long long)sizeof(Vec));
+  const pkv_index_t local = (pkv_index_t)(v - t.vec_begin);
+  pkv_index_t item = local / vecs_per_chunk;
+  const long long byte = (long long)(local - item * vecs_per_chunk) * (long long)sizeof(Vec);
+  const long long group = item % (pkv_index_t)t.groups;
+  item /= (pkv_index_t)t.groups;
+  const long long i = item % (pkv_index_t)a.tokens;
+  const long long layer = a.layer_begin + item / (pkv_index_t)a.tokens;
   const long long ht = ((const long long*)a.host_indices)[i];
   const long long dt = ((const long long*)a.device_indices)[i];
   if (ht < 0 || ht >= t.host_tokens || dt < 0 || dt >= t.device_tokens) {
     *(volatile int*)a.error_flag = 1;
     return false;
   }
-  char* host = (char*)t.host_base + (ht / a.page_size) * t.host_page + (ht % a.page_size) * t.host_token +
+  const pkv_index_t page = (pkv_index_t)ht / (pkv_index_t)a.page_size;
+  const long long offset = (pkv_index_t)ht - page * (pkv_index_t)a.page_size;
+  char* host = (char*)t.host_base + (long long)page * t.host_page + offset * t.host_token +
                layer * t.host_layer + group * t.host_group + byte;
   char* dev = (char*)((const unsigned long long*)t.device_layers)[layer] + dt * t.device_token +
               group * t.device_group + byte;

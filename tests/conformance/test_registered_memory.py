@@ -49,7 +49,7 @@ def test_registered_pool_roundtrip_and_pieces(backend, recorded, layout, io, gen
     dev_idx = page_tokens(torch.randperm(16, generator=gen)[:10], 4)
     dev_idx = dev_idx.to(dev.device)
     host.backup_from_device_all_layer(dev, host_idx, dev_idx)
-    geometry, pairs = host._bind(dev)
+    geometry, pairs = host._bind(dev, range(host.layer_num))
     batch = copy_batch(Transfer(False, pairs, host._indices(host_idx.clone(), dev_idx.clone(), dev.size, False), range(2), 4))
     ranges = sorted(recorded["register"])
     for dst, size in zip(batch.dst.tolist(), batch.sizes.tolist()):

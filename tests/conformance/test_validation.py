@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvspec import assert_same, page_tokens, randomize, snapshot
+from kvspec import assert_same, bits, host_row, page_tokens, randomize, snapshot
 
 import portable_kv as pk
 from portable_kv.layout import LAYOUTS
@@ -128,3 +128,32 @@ def test_too_large_pool_refused_before_allocation(backend):
     dev = pk.DeviceKVPool(1, 32, P, 1, 8, 8, dtype=torch.float16)
     with pytest.raises(MemoryError, match="requested.*available"):
         pk.AsymmetricHostPool(dev, host_size_gb=10**6, io_backend=backend.io_backends[0])
+
+
+def test_swapped_layer_buffer_is_checked_and_used_when_that_layer_moves(pools, backend):
+    """Engines may swap a per-layer buffer in their list; the host pool's cached binding must follow."""
+    dev, host = pools
+    h, d = ok_indices()
+    d = d.to(dev.device)
+    host.load_to_device_per_layer(dev, h, d, 0)
+    old = dev.k_buffer[1]
+    dev.k_buffer[1] = torch.zeros(old.shape[0], old.shape[1], old.shape[2] + 1, dtype=old.dtype, device=old.device)
+    host.load_to_device_per_layer(dev, h, d, 0)  # layer 1 does not move: no check needed, none made
+    rejected(dev, host, ValueError, r"device_pool\.k_buffer\[1\]", lambda: host.load_to_device_per_layer(dev, h, d, 1))
+    rejected(dev, host, ValueError, r"device_pool\.k_buffer\[1\]", lambda: host.load_to_device_all_layer(dev, h, d))
+    fresh = torch.zeros_like(old)
+    dev.k_buffer[1] = fresh
+    old_bits = bits(old)
+    host.load_to_device_per_layer(dev, h, d, 1)
+    backend.synchronize()
+    expected = torch.stack([host_row(host.k_buffer, host.layout, P, t, 1) for t in h.tolist()])
+    assert torch.equal(bits(fresh[d]), bits(expected)), "the load did not land in the swapped-in buffer"
+    assert torch.equal(bits(old), old_bits), "the load wrote into the buffer that was swapped out"
+
+
+def test_indices_changed_in_place_are_checked_again(pools):
+    dev, host = pools
+    h, d = ok_indices()
+    host.load_to_device_per_layer(dev, h, d, 0)
+    h += 60  # the same tensor object, now out of range
+    rejected(dev, host, ValueError, "host_indices.*< 64", lambda: host.load_to_device_per_layer(dev, h, d, 1))

@@ -15,6 +15,7 @@ from kvspec import bits
 
 from portable_kv import backends
 from portable_kv.backends import gpu
+from portable_kv.plan import IndexPair, Transfer
 
 HEADER = Path(gpu.__file__).resolve().parents[1] / "kernels_common" / "kv_copy.h"
 
@@ -89,3 +90,32 @@ def test_property_kernel_model_matches_oracle(simulated):
             assert torch.equal(a, b)
 
     check()
+
+
+def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated):
+    """Per-layer calls reuse the prepared launch and change only the layer; a new
+    quota, direction or index set prepares it again."""
+    import test_transfers
+
+    dev, host = test_transfers.make_pools(simulated, "page_first_direct", "kernel", tokens=64, page_size=4, layers=3, k_dim=128, v_dim=64)
+    gen = torch.Generator().manual_seed(5)
+    test_transfers.fill(dev, host, gen)
+    host_idx, dev_idx = torch.arange(16, 64), torch.arange(0, 48)  # 48 x 48 vectors: 2 blocks' work
+    simulated.block_quota = 1
+    for layer in range(host.layer_num):
+        host.load_to_device_per_layer(dev, host_idx, dev_idx, layer)
+    for layer in range(host.layer_num):
+        for h, d in zip(host_idx.tolist(), dev_idx.tolist()):
+            assert torch.equal(bits(dev.k_buffer[layer][d]), bits(host.k_buffer[h // 4, layer, h % 4])), f"K layer {layer} token {h}"
+            assert torch.equal(bits(dev.v_buffer[layer][d]), bits(host.v_buffer[h // 4, layer, h % 4])), f"V layer {layer} token {h}"
+    assert [grid for _, grid, _ in simulated.launches[-3:]] == [1, 1, 1]
+    simulated.block_quota = 2
+    host.load_to_device_per_layer(dev, host_idx, dev_idx, 0)
+    assert simulated.launches[-1][1] == 2, "a new block quota must reach the next launch"
+    # kernel_args rewrites this thread's struct (tools and tests call it): the next call must not reuse it blindly.
+    _, pairs = host._bind(dev, range(host.layer_num))
+    other = Transfer(False, pairs, IndexPair(torch.arange(0, 4), torch.arange(60, 64)), range(2, 3), 4)
+    simulated.kernel_args(other, *other.indices.on(simulated.device))
+    dev.k_buffer[1].zero_()
+    host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)
+    assert torch.equal(bits(dev.k_buffer[1][dev_idx]), bits(host.k_buffer[4:16, 1].reshape(48, *host.k_buffer.shape[-2:])))

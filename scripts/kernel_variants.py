@@ -20,7 +20,7 @@ from portable_kv.bench import Clock, Workload, add_arguments, bench_pool, ceilin
 from portable_kv.layout import canonical_view
 
 # Measured before and kept in NOTES.md: PKV_L2_256B, PKV_UNROLL=8, PKV_UNROLL=2 (within run-to-run spread).
-VARIANTS = ["", "PKV_BULK", "PKV_BULK,PKV_BULK_SLOT=768,PKV_BULK_WARPS=16"]
+VARIANTS = ["", "PKV_UNROLL=2", "PKV_INDEX32", "PKV_INDEX32,PKV_UNROLL=8", "PKV_BULK", "PKV_BULK,PKV_BULK_SLOT=768,PKV_BULK_WARPS=16"]
 
 
 def roundtrip_ok(w: Workload, host) -> bool:

@@ -37,56 +37,91 @@ struct PkvCopyArgs {
   long long total_vecs, to_device;
 };
 
-#ifdef PKV_INDEX32
-typedef unsigned int pkv_index_t;  // variant under measurement: 32-bit division (sizes < 2^32 only)
-#else
-typedef long long pkv_index_t;
-#endif
+// Where vector `v` sits, before any memory is read: the token's position in
+// the index arrays, its layer, and its byte offsets from the token's row on
+// each side.
+struct PkvSpot {
+  const PkvTensorJob* job;
+  long long i, layer, host_offset, device_offset;
+};
 
-// Where vector `v` comes from and goes to; false (and the error flag set) for
-// an index outside its pool, which is then not copied.
 template <typename Vec>
-__device__ __forceinline__ bool pkv_locate(const PkvCopyArgs& a, long long v, const char** src, char** dst) {
-  const PkvTensorJob& t = a.job[v >= a.job[1].vec_begin ? 1 : 0];
-  const pkv_index_t vecs_per_chunk = (pkv_index_t)(t.chunk_bytes / (long long)sizeof(Vec));
-  const pkv_index_t local = (pkv_index_t)(v - t.vec_begin);
-  pkv_index_t item = local / vecs_per_chunk;
-  const long long byte = (long long)(local - item * vecs_per_chunk) * (long long)sizeof(Vec);
-  const long long group = item % (pkv_index_t)t.groups;
-  item /= (pkv_index_t)t.groups;
-  const long long i = item % (pkv_index_t)a.tokens;
-  const long long layer = a.layer_begin + item / (pkv_index_t)a.tokens;
-  const long long ht = ((const long long*)a.host_indices)[i];
-  const long long dt = ((const long long*)a.device_indices)[i];
-  if (ht < 0 || ht >= t.host_tokens || dt < 0 || dt >= t.device_tokens) {
-    *(volatile int*)a.error_flag = 1;
-    return false;
-  }
-  const pkv_index_t page = (pkv_index_t)ht / (pkv_index_t)a.page_size;
-  const long long offset = (pkv_index_t)ht - page * (pkv_index_t)a.page_size;
-  char* host = (char*)t.host_base + (long long)page * t.host_page + offset * t.host_token +
-               layer * t.host_layer + group * t.host_group + byte;
-  char* dev = (char*)((const unsigned long long*)t.device_layers)[layer] + dt * t.device_token +
-              group * t.device_group + byte;
+__device__ __forceinline__ PkvSpot pkv_spot(const PkvCopyArgs& a, long long v) {
+  PkvSpot s;
+  s.job = &a.job[v >= a.job[1].vec_begin ? 1 : 0];
+  const PkvTensorJob& t = *s.job;
+  const long long vecs_per_chunk = t.chunk_bytes / (long long)sizeof(Vec);
+  const long long local = v - t.vec_begin;
+  long long item = local / vecs_per_chunk;
+  const long long byte = (local - item * vecs_per_chunk) * (long long)sizeof(Vec);
+  const long long group = item % t.groups;
+  item /= t.groups;
+  s.i = item % a.tokens;
+  s.layer = a.layer_begin + item / a.tokens;
+  s.host_offset = s.layer * t.host_layer + group * t.host_group + byte;
+  s.device_offset = group * t.device_group + byte;
+  return s;
+}
+
+// Both addresses of a spot once its token indices and layer base are read;
+// false for an index outside its pool, which is then not copied.
+__device__ __forceinline__ bool pkv_address(const PkvCopyArgs& a, const PkvSpot& s, long long ht, long long dt,
+                                            unsigned long long layer_base, const char** src, char** dst) {
+  const PkvTensorJob& t = *s.job;
+  if (ht < 0 || ht >= t.host_tokens || dt < 0 || dt >= t.device_tokens) return false;
+  char* host = (char*)t.host_base + (ht / a.page_size) * t.host_page + (ht % a.page_size) * t.host_token + s.host_offset;
+  char* dev = (char*)layer_base + dt * t.device_token + s.device_offset;
   *src = a.to_device ? host : dev;
   *dst = a.to_device ? dev : host;
   return true;
 }
 
+__device__ __forceinline__ long long pkv_host_index(const PkvCopyArgs& a, const PkvSpot& s) { return ((const long long*)a.host_indices)[s.i]; }
+__device__ __forceinline__ long long pkv_device_index(const PkvCopyArgs& a, const PkvSpot& s) { return ((const long long*)a.device_indices)[s.i]; }
+__device__ __forceinline__ unsigned long long pkv_layer_base(const PkvSpot& s) {
+  return ((const unsigned long long*)s.job->device_layers)[s.layer];
+}
+__device__ __forceinline__ void pkv_flag_bad_index(const PkvCopyArgs& a) { *(volatile int*)a.error_flag = 1; }
+
+// One iteration has four phases so that nothing orders memory accesses that
+// need not be ordered: all offsets (arithmetic), then all index and layer-base
+// loads (device memory, one round trip for the UNROLL vectors together), then
+// all PCIe loads, then the stores.  Written vector by vector, the compiler
+// kept each vector's address loads behind the previous vector's bounds branch:
+// UNROLL dependent round trips before the last PCIe load left.
 template <typename Vec>
 __device__ __forceinline__ void pkv_copy(const PkvCopyArgs& a) {
   const long long threads = (long long)gridDim.x * blockDim.x;
   for (long long base = (long long)blockIdx.x * blockDim.x + threadIdx.x; base < a.total_vecs;
        base += threads * PKV_UNROLL) {
+    PkvSpot spot[PKV_UNROLL];
+    bool live[PKV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < PKV_UNROLL; ++u) {
+      const long long v = base + u * threads;
+      live[u] = v < a.total_vecs;
+      spot[u] = pkv_spot<Vec>(a, live[u] ? v : base);  // a dead vector reads a live one's (valid) entries
+    }
+    long long ht[PKV_UNROLL], dt[PKV_UNROLL];
+    unsigned long long layer_base[PKV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < PKV_UNROLL; ++u) {
+      ht[u] = pkv_host_index(a, spot[u]);
+      dt[u] = pkv_device_index(a, spot[u]);
+      layer_base[u] = pkv_layer_base(spot[u]);
+    }
     Vec value[PKV_UNROLL];
     char* dst[PKV_UNROLL];
+    bool bad = false;
 #pragma unroll
     for (int u = 0; u < PKV_UNROLL; ++u) {
       const char* src = nullptr;
       dst[u] = nullptr;
-      const long long v = base + u * threads;
-      if (v < a.total_vecs && pkv_locate<Vec>(a, v, &src, &dst[u])) value[u] = pkv_load_stream((const Vec*)src);
+      if (!live[u]) continue;
+      if (pkv_address(a, spot[u], ht[u], dt[u], layer_base[u], &src, &dst[u])) value[u] = pkv_load_stream((const Vec*)src);
+      else bad = true;
     }
+    if (bad) pkv_flag_bad_index(a);
 #pragma unroll
     for (int u = 0; u < PKV_UNROLL; ++u) {
       if (dst[u] == nullptr) continue;

@@ -79,7 +79,9 @@ extern "C" __global__ void __launch_bounds__(PKV_BLOCK) pkv_copy_16(const PkvCop
       const long long v = t.vec_begin + chunk * (t.chunk_bytes / 16) + offset / 16;
       const char* src;
       char* dst;
-      if (pkv_locate<uint4>(a, v, &src, &dst)) {
+      const PkvSpot spot = pkv_spot<uint4>(a, v);
+      if (!pkv_address(a, spot, pkv_host_index(a, spot), pkv_device_index(a, spot), pkv_layer_base(spot), &src, &dst)) pkv_flag_bad_index(a);
+      else {
         const unsigned n = (unsigned)min((long long)PKV_BULK_SLOT, t.chunk_bytes - offset);
         // The slot's previous store must have finished reading it.
         asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");

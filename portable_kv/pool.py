@@ -25,6 +25,7 @@ from .plan import IdentityCache, IndexPair, TensorPair, Transfer, tensor_pair
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 HOST_MEMORY = ("pinned", "registered")
+VALIDATED_KEPT = 4  # index pairs whose validation is remembered
 # Registered host memory is split into pieces of whole pages: a page-major layout
 # keeps every copy inside one page, so inside one registration.
 REGISTERED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
@@ -163,7 +164,9 @@ class AsymmetricHostPool:
             self.k_buffer = self._allocate(shape_k)
             self.v_buffer = self._allocate(shape_v)
         self.closed = False
-        self._validated: tuple | None = None
+        # The last few validated index pairs: an engine interleaves per-layer loads of
+        # one set of pages with backups of another, each set reused call after call.
+        self._validated: list[tuple] = []
         self._bound: tuple | None = None
 
     # -- allocation -----------------------------------------------------------------
@@ -307,10 +310,10 @@ class AsymmetricHostPool:
         return g
 
     def _indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor, device_tokens: int, to_device: bool) -> IndexPair:
-        cached = self._validated
-        if cached is not None and host_indices is cached[0] and device_indices is cached[1] and \
-                cached[2] == (host_indices._version, device_indices._version, device_tokens, to_device):
-            return cached[3]  # the engine's per-layer calls pass the same, unchanged index tensors
+        for cached in self._validated:
+            if host_indices is cached[0] and device_indices is cached[1] and \
+                    cached[2] == (host_indices._version, device_indices._version, device_tokens, to_device):
+                return cached[3]  # the same, unchanged index tensors as an earlier call
         host = _index_tensor("host_indices", host_indices)
         dev = _index_tensor("device_indices", device_indices)
         if host.numel() != dev.numel():
@@ -328,7 +331,8 @@ class AsymmetricHostPool:
                 _check_whole_pages("device_indices", dev_np, self.page_size, self.layout)
             # Two writes to one slot would race on a GPU: the result would depend on timing.
             _check_unique("device_indices" if to_device else "host_indices", dev_np if to_device else host_np)
-        self._validated = (host_indices, device_indices, key, pair)  # the caller's tensors, before any conversion
+        # The caller's tensors, before any conversion, are the key.
+        self._validated = [(host_indices, device_indices, key, pair)] + self._validated[:VALIDATED_KEPT - 1]
         return pair
 
     # -- pages for storage tiers -------------------------------------------------------
@@ -402,7 +406,7 @@ class AsymmetricHostPool:
         self._unregister()
         self.closed = True
         self.k_buffer = self.v_buffer = None
-        self._validated = self._bound = None
+        self._validated, self._bound = [], None
 
     def __enter__(self) -> AsymmetricHostPool:
         return self

@@ -20,7 +20,7 @@ from portable_kv.bench import Clock, Workload, add_arguments, bench_pool, ceilin
 from portable_kv.layout import canonical_view
 
 # Measured before and kept in NOTES.md: PKV_L2_256B, PKV_INDEX32 (32-bit division), bulk-copy slot sizes.
-VARIANTS = ["", "PKV_UNROLL=2", "PKV_UNROLL=8", "PKV_BULK"]
+VARIANTS = ["", "PKV_UNROLL=2", "PKV_BULK"]
 
 
 def roundtrip_ok(w: Workload, host) -> bool:
@@ -50,14 +50,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     parser.add_argument("--blocks", type=str, default="8,16")
+    parser.add_argument("--baseline", type=str, default="", help="an earlier kv_copy.h to measure beside this one (e.g. from git show)")
     args = parser.parse_args()
+    variants = list(VARIANTS)
+    if args.baseline:
+        variants.insert(1, f'PKV_COMMON_HEADER="{os.path.abspath(args.baseline)}"')
     clock = Clock(torch.device("cuda"))
     ceil = ceiling(clock, torch.device("cuda"), 1 << 30, 10)
     print(f"ceiling h2d {ceil['h2d']:.1f}  d2h {ceil['d2h']:.1f}  both {ceil['both']:.1f} GB/s")
     print(f"{'variant':<28} {'blocks':>6} {'page':>5} {'h2d GB/s':>9} {'%':>6} {'d2h GB/s':>9} {'%':>6}")
     for page_size in (64, 1):
         w = Workload(args, page_size, 8, torch.device("cuda"))
-        for variant in VARIANTS:
+        for variant in variants:
             os.environ["PORTABLE_KV_DEFINES"] = variant
             backend = CudaBackend()
             backends._instances["cuda"] = backend
@@ -68,7 +72,8 @@ def main() -> None:
                 load, backup = bench_pool(clock, w, host, "kernel", 10, ceil, "variant", variant)
                 ok = roundtrip_ok(w, host)
                 host.close()
-                print(f"{variant or 'default':<28} {blocks:>6} {page_size:>5} {load.gbps:>9.1f} {load.pct_ceiling:>6.1f} {backup.gbps:>9.1f} {backup.pct_ceiling:>6.1f}"
+                label = "baseline " + os.path.basename(args.baseline) if "PKV_COMMON_HEADER" in variant else variant or "default"
+                print(f"{label:<28} {blocks:>6} {page_size:>5} {load.gbps:>9.1f} {load.pct_ceiling:>6.1f} {backup.gbps:>9.1f} {backup.pct_ceiling:>6.1f}"
                       f"  {'ok' if ok else 'WRONG BYTES'}", flush=True)
 
 

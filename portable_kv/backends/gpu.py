@@ -28,6 +28,7 @@ COMMON_KERNEL_DIR = PACKAGE_DIR / "kernels_common"
 KERNEL_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; one entry point each (kv_copy.h)
 BLOCK = 512  # threads per block: PKV_BLOCK in kv_copy.h
 UNROLL = 4  # vectors in flight per thread: PKV_UNROLL in kv_copy.h
+PREPARED_KEPT = 4  # prepared launches kept per thread (a load and a backup interleaved, and a spare)
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault = hipMemcpyDefault: direction from the addresses
 REGISTER_FLAGS = 3  # Portable | Mapped, the same bits for cudaHostRegister and hipHostRegister
 
@@ -151,6 +152,23 @@ class JobTemplate:
             for name, value in fields.items():
                 setattr(job, name, value)
         args.job[0].vec_begin = 0
+
+
+class PreparedLaunch:
+    """A kernel launch ready to go but for its layer: the struct the kernel takes
+    by value (cuLaunchKernel copies it at the call, so it may change after)."""
+
+    def __init__(self, transfer: Transfer, template: JobTemplate, args: CopyArgs, width: int, grid: int, quota: int) -> None:
+        self.pairs, self.indices = transfer.pairs, transfer.indices  # keeps the index copies on the device alive
+        self.to_device, self.layers, self.quota = transfer.to_device, len(transfer.layers), quota
+        self.template, self.args, self.width, self.grid = template, args, width, grid  # template: keeps the layer tables alive
+        self._param_array = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        self.params = ctypes.addressof(self._param_array)
+        self.kernel: object = None
+
+    def matches(self, transfer: Transfer, quota: int) -> bool:
+        return (self.pairs is transfer.pairs and self.indices is transfer.indices and self.to_device == transfer.to_device
+                and self.layers == len(transfer.layers) and self.quota == quota)
 
 
 class RuntimeLibrary:
@@ -310,16 +328,6 @@ class GpuBackend(Backend):
     def _layer_table(self, buffers: Sequence[torch.Tensor]) -> LayerTable:
         return self._tables.get(buffers, lambda: LayerTable(buffers, self.device))
 
-    def _args(self) -> tuple[CopyArgs, int]:
-        local = self._local
-        if not hasattr(local, "args"):
-            self.bind_thread()
-            local.args = CopyArgs()
-            local.second_job = local.args.job[1]  # ctypes builds a proxy on every item access: keep one
-            local.params = (ctypes.c_void_p * 1)(ctypes.addressof(local.args))
-            local.template = None
-        return local.args, ctypes.addressof(local.params)
-
     def _template(self, pairs: tuple[TensorPair, TensorPair]) -> JobTemplate:
         entry = self._templates.get(id(pairs))
         if entry is None or entry[0] is not pairs:
@@ -328,44 +336,41 @@ class GpuBackend(Backend):
             entry = self._templates[id(pairs)] = (pairs, JobTemplate(pairs, [self._layer_table(p.device) for p in pairs]))
         return entry[1]
 
-    def kernel_args(self, transfer: Transfer, host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple[CopyArgs, int, int]:
-        """Fill this thread's argument struct; returns it, the address of its parameter array and the access width.
-
-        What depends only on the pools is written once per pool pair and thread;
-        a call writes the ten fields that depend on its indices and layers.
-        """
-        args, params = self._args()
-        self._local.launch = None  # the struct changes under any launch prepared from it
+    def kernel_args(self, transfer: Transfer, host_indices: torch.Tensor, device_indices: torch.Tensor) -> PreparedLaunch:
+        """The kernel's argument struct for a call, with its parameter array and access width."""
         template = self._template(transfer.pairs)
-        if self._local.template is not template:
-            template.write(args)
-            args.error_flag = self.bad_index.tensor.data_ptr()
-            self._local.template = template
+        args = CopyArgs()
+        template.write(args)
+        args.error_flag = self.bad_index.tensor.data_ptr()
         rows = transfer.tokens * len(transfer.layers)
-        self._local.second_job.vec_begin = rows * template.vecs_per_row[0]
+        args.job[1].vec_begin = rows * template.vecs_per_row[0]
         args.total_vecs = rows * (template.vecs_per_row[0] + template.vecs_per_row[1])
         args.host_indices, args.device_indices = host_indices.data_ptr(), device_indices.data_ptr()
         args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)
         args.page_size = transfer.page_size
         args.to_device = transfer.to_device
-        return args, params, template.width
+        return PreparedLaunch(transfer, template, args, template.width, grid_size(args.total_vecs, self.block_quota), self.block_quota)
 
     def _kernel_transfer(self, transfer: Transfer) -> None:
-        # An engine loads layer after layer with the same pools and indices: then
-        # only the layer changes, and the rest of the launch is reused.
+        # An engine loads layer after layer with the same pools and indices, and
+        # interleaves backups of other pages: a prepared launch per (pools,
+        # indices, direction, layer count) is kept, and a call sets its layer.
         local = self._local
-        launch = getattr(local, "launch", None)
-        if launch is None or launch[0] is not transfer.pairs or launch[1] is not transfer.indices or \
-                launch[2] != (transfer.to_device, len(transfer.layers), self.block_quota):
-            launch = local.launch = self._prepare_launch(transfer)
-        local.args.layer_begin = transfer.layers.start
-        self.launch(launch[3], launch[4], BLOCK, launch[5], self.stream())
-
-    def _prepare_launch(self, transfer: Transfer) -> tuple:
-        host_indices, device_indices = transfer.indices.on(self.device)  # kept alive by the IndexPair
-        args, params, width = self.kernel_args(transfer, host_indices, device_indices)
-        return (transfer.pairs, transfer.indices, (transfer.to_device, len(transfer.layers), self.block_quota),
-                self.kernels()[width], grid_size(args.total_vecs, self.block_quota), params)
+        prepared = getattr(local, "prepared", None)
+        if prepared is None:
+            self.bind_thread()
+            prepared = local.prepared = []
+        for launch in prepared:
+            if launch.matches(transfer, self.block_quota):
+                break
+        else:
+            host_indices, device_indices = transfer.indices.on(self.device)  # kept alive by the IndexPair
+            launch = self.kernel_args(transfer, host_indices, device_indices)
+            launch.kernel = self.kernels()[launch.width]
+            prepared.insert(0, launch)
+            del prepared[PREPARED_KEPT:]
+        launch.args.layer_begin = transfer.layers.start
+        self.launch(launch.kernel, launch.grid, BLOCK, launch.params, self.stream())
 
     def _direct_transfer(self, transfer: Transfer) -> None:
         batch = copy_batch(transfer)

@@ -30,7 +30,11 @@ __device__ __forceinline__ void pkv_store_stream(T* p, T v) { __stcs(p, v); }
 #define pkv_copy_16 pkv_copy_16_per_thread
 #endif
 
+#ifdef PKV_COMMON_HEADER  // A/B runs (scripts/kernel_variants.py --baseline) build an earlier algorithm
+#include PKV_COMMON_HEADER
+#else
 #include "kv_copy.h"
+#endif
 
 #ifdef PKV_BULK
 #undef pkv_copy_16

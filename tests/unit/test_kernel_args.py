@@ -15,7 +15,6 @@ from kvspec import bits
 
 from portable_kv import backends
 from portable_kv.backends import gpu
-from portable_kv.plan import IndexPair, Transfer
 
 HEADER = Path(gpu.__file__).resolve().parents[1] / "kernels_common" / "kv_copy.h"
 
@@ -112,10 +111,13 @@ def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated):
     simulated.block_quota = 2
     host.load_to_device_per_layer(dev, host_idx, dev_idx, 0)
     assert simulated.launches[-1][1] == 2, "a new block quota must reach the next launch"
-    # kernel_args rewrites this thread's struct (tools and tests call it): the next call must not reuse it blindly.
-    _, pairs = host._bind(dev, range(host.layer_num))
-    other = Transfer(False, pairs, IndexPair(torch.arange(0, 4), torch.arange(60, 64)), range(2, 3), 4)
-    simulated.kernel_args(other, *other.indices.on(simulated.device))
+    # A backup of other pages interleaved with the loads keeps a prepared launch of its own.
+    before = list(simulated._local.prepared)
+    host.backup_from_device_per_layer(dev, torch.arange(0, 4), torch.arange(60, 64), 2)
+    assert torch.equal(bits(host.k_buffer[0, 2]), bits(dev.k_buffer[2][60:64]))
     dev.k_buffer[1].zero_()
     host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)
     assert torch.equal(bits(dev.k_buffer[1][dev_idx]), bits(host.k_buffer[4:16, 1].reshape(48, *host.k_buffer.shape[-2:])))
+    prepared = simulated._local.prepared
+    assert any(launch is before[0] for launch in prepared), "the load's prepared launch was rebuilt after an interleaved backup"
+    assert len(prepared) == min(len(before) + 1, gpu.PREPARED_KEPT)

@@ -50,9 +50,9 @@ def main() -> None:
         layer[0] = (layer[0] + 1) % w.layers
 
     rows = [("per-layer load, kernel io (whole call)", median_us(load))]
-    launch = backend._local.launch
+    launch = backend._local.prepared[0]
     stream = backend.stream()
-    rows.append(("  vendor launch alone (ctypes cuLaunchKernel)", median_us(lambda: backend.launch(launch[3], launch[4], BLOCK, launch[5], stream))))
+    rows.append(("  vendor launch alone (ctypes cuLaunchKernel)", median_us(lambda: backend.launch(launch.kernel, launch.grid, BLOCK, launch.params, stream))))
     rows.append(("  current-stream query", median_us(backend.stream)))
     real = backend.transfer
     backend.transfer = lambda transfer, io: None

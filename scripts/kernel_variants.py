@@ -50,11 +50,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     parser.add_argument("--blocks", type=str, default="8,16")
-    parser.add_argument("--baseline", type=str, default="", help="an earlier kv_copy.h to measure beside this one (e.g. from git show)")
+    parser.add_argument("--baseline", type=str, default="", help="comma-separated earlier kv_copy.h files to measure beside this one (e.g. from git show)")
     args = parser.parse_args()
     variants = list(VARIANTS)
-    if args.baseline:
-        variants.insert(1, f'PKV_COMMON_HEADER="{os.path.abspath(args.baseline)}"')
+    labels = {}
+    for i, path in enumerate(p for p in args.baseline.split(",") if p):
+        variant = f'PKV_COMMON_HEADER="{os.path.abspath(path)}"'
+        variants.insert(1 + i, variant)
+        labels[variant] = "baseline " + os.path.basename(path)
     clock = Clock(torch.device("cuda"))
     ceil = ceiling(clock, torch.device("cuda"), 1 << 30, 10)
     print(f"ceiling h2d {ceil['h2d']:.1f}  d2h {ceil['d2h']:.1f}  both {ceil['both']:.1f} GB/s")
@@ -72,7 +75,7 @@ def main() -> None:
                 load, backup = bench_pool(clock, w, host, "kernel", 10, ceil, "variant", variant)
                 ok = roundtrip_ok(w, host)
                 host.close()
-                label = "baseline " + os.path.basename(args.baseline) if "PKV_COMMON_HEADER" in variant else variant or "default"
+                label = labels.get(variant, variant or "default")
                 print(f"{label:<28} {blocks:>6} {page_size:>5} {load.gbps:>9.1f} {load.pct_ceiling:>6.1f} {backup.gbps:>9.1f} {backup.pct_ceiling:>6.1f}"
                       f"  {'ok' if ok else 'WRONG BYTES'}", flush=True)
 

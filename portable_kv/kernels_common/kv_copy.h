@@ -83,54 +83,74 @@ __device__ __forceinline__ unsigned long long pkv_layer_base(const PkvSpot& s) {
 }
 __device__ __forceinline__ void pkv_flag_bad_index(const PkvCopyArgs& a) { *(volatile int*)a.error_flag = 1; }
 
-// One iteration has four phases so that nothing orders memory accesses that
-// need not be ordered: all offsets (arithmetic), then all index and layer-base
-// loads (device memory, one round trip for the UNROLL vectors together), then
-// all PCIe loads, then the stores.  Written vector by vector, the compiler
-// kept each vector's address loads behind the previous vector's bounds branch:
-// UNROLL dependent round trips before the last PCIe load left.
+// The addresses of the UNROLL vectors of one iteration, in three phases so that
+// nothing orders memory accesses that need not be ordered: all offsets
+// (arithmetic), then all index and layer-base loads (device memory, one round
+// trip for the UNROLL vectors together), then the bounds checks.  Written
+// vector by vector, the compiler kept each vector's address loads behind the
+// previous vector's bounds branch: UNROLL dependent round trips per iteration.
+// Returns whether an index was outside its pool; dst is null where nothing moves.
+template <typename Vec>
+__device__ __forceinline__ bool pkv_prepare(const PkvCopyArgs& a, long long base, long long threads, const char** src, char** dst) {
+  PkvSpot spot[PKV_UNROLL];
+  bool live[PKV_UNROLL];
+#pragma unroll
+  for (int u = 0; u < PKV_UNROLL; ++u) {
+    const long long v = base + u * threads;
+    live[u] = v < a.total_vecs;
+    spot[u] = pkv_spot<Vec>(a, live[u] ? v : 0);  // a dead vector reads vector 0's (valid) entries
+  }
+  long long ht[PKV_UNROLL], dt[PKV_UNROLL];
+  unsigned long long layer_base[PKV_UNROLL];
+#pragma unroll
+  for (int u = 0; u < PKV_UNROLL; ++u) {
+    ht[u] = pkv_host_index(a, spot[u]);
+    dt[u] = pkv_device_index(a, spot[u]);
+    layer_base[u] = pkv_layer_base(spot[u]);
+  }
+  bool bad = false;
+#pragma unroll
+  for (int u = 0; u < PKV_UNROLL; ++u) {
+    dst[u] = nullptr;
+    if (live[u] && !pkv_address(a, spot[u], ht[u], dt[u], layer_base[u], &src[u], &dst[u])) bad = true;
+  }
+  return bad;
+}
+
+// Software-pipelined: while one iteration's loads cross PCIe (~1-2 us), the
+// next iteration's addresses are computed (64-bit divisions, a few hundred
+// instructions a vector) and its indices read.  Computed after the loads, as
+// a plain loop does, that work left the link idle between iterations: 16
+// blocks then fell short of the ceiling at 64-token pages.
 template <typename Vec>
 __device__ __forceinline__ void pkv_copy(const PkvCopyArgs& a) {
   const long long threads = (long long)gridDim.x * blockDim.x;
-  for (long long base = (long long)blockIdx.x * blockDim.x + threadIdx.x; base < a.total_vecs;
-       base += threads * PKV_UNROLL) {
-    PkvSpot spot[PKV_UNROLL];
-    bool live[PKV_UNROLL];
-#pragma unroll
-    for (int u = 0; u < PKV_UNROLL; ++u) {
-      const long long v = base + u * threads;
-      live[u] = v < a.total_vecs;
-      spot[u] = pkv_spot<Vec>(a, live[u] ? v : base);  // a dead vector reads a live one's (valid) entries
-    }
-    long long ht[PKV_UNROLL], dt[PKV_UNROLL];
-    unsigned long long layer_base[PKV_UNROLL];
-#pragma unroll
-    for (int u = 0; u < PKV_UNROLL; ++u) {
-      ht[u] = pkv_host_index(a, spot[u]);
-      dt[u] = pkv_device_index(a, spot[u]);
-      layer_base[u] = pkv_layer_base(spot[u]);
-    }
+  const long long step = threads * PKV_UNROLL;
+  long long base = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const char* src[PKV_UNROLL];
+  char* dst[PKV_UNROLL];
+  bool bad = pkv_prepare<Vec>(a, base, threads, src, dst);
+  for (; base < a.total_vecs; base += step) {
     Vec value[PKV_UNROLL];
-    char* dst[PKV_UNROLL];
-    bool bad = false;
+#pragma unroll
+    for (int u = 0; u < PKV_UNROLL; ++u)
+      if (dst[u] != nullptr) value[u] = pkv_load_stream((const Vec*)src[u]);
+    const char* next_src[PKV_UNROLL];
+    char* next_dst[PKV_UNROLL];
+    bad |= pkv_prepare<Vec>(a, base + step, threads, next_src, next_dst);
 #pragma unroll
     for (int u = 0; u < PKV_UNROLL; ++u) {
-      const char* src = nullptr;
-      dst[u] = nullptr;
-      if (!live[u]) continue;
-      if (pkv_address(a, spot[u], ht[u], dt[u], layer_base[u], &src, &dst[u])) value[u] = pkv_load_stream((const Vec*)src);
-      else bad = true;
-    }
-    if (bad) pkv_flag_bad_index(a);
-#pragma unroll
-    for (int u = 0; u < PKV_UNROLL; ++u) {
-      if (dst[u] == nullptr) continue;
-      // Device-side writes stay cacheable: attention reads them next.  Host-side
-      // writes are streamed out.
-      if (a.to_device) *(Vec*)dst[u] = value[u];
-      else pkv_store_stream((Vec*)dst[u], value[u]);
+      if (dst[u] != nullptr) {
+        // Device-side writes stay cacheable: attention reads them next.
+        // Host-side writes are streamed out.
+        if (a.to_device) *(Vec*)dst[u] = value[u];
+        else pkv_store_stream((Vec*)dst[u], value[u]);
+      }
+      src[u] = next_src[u];
+      dst[u] = next_dst[u];
     }
   }
+  if (bad) pkv_flag_bad_index(a);
 }
 
 // One entry point per access width; the host picks the widest that every

@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=0)
     p.add_argument("--json", type=str, default="", help="write every number here")
     p.add_argument("--plot", type=str, default="", help="a PNG of the bandwidths (needs the bench extra)")
+    p.add_argument("--markdown", type=str, default="", help="write the summary tables (as in the README) here")
     p.add_argument("--quick", action="store_true", help="about a minute: 8 layers, fewer repetitions, no peers at page 1")
 
 
@@ -366,6 +367,54 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: list[Row], ceil: dict, device: str) -> str:
+    """The summary tables for a README: page_first_direct paths and peers by page size, both ways, interference."""
+    pages = sorted({r.page_size for r in rows if r.section in ("package", "peer")}, reverse=True)
+
+    def cell(name: str, section: str, page: int) -> str:
+        found = {r.direction: r for r in rows if r.section == section and r.name == name and r.page_size == page}
+        parts = [f"{found[d].gbps:.1f} ({found[d].pct_ceiling:.0f}%)" for d in ("h2d", "d2h") if d in found]
+        return " / ".join(parts)
+
+    def host_us(name: str, section: str) -> str:
+        found = [r.host_us for r in rows if r.section == section and r.name == name and r.direction == "h2d" and r.host_us]
+        if not found:
+            return ""
+        low, high = f"{min(found):.0f}", f"{max(found):.0f}"
+        return low if low == high else f"{low}-{high}"
+
+    names = [(r.section, r.name) for r in rows if (r.section == "package" and " page_first_direct " in f" {r.name} ") or r.section == "peer"]
+    names = list(dict.fromkeys(names))
+    both = ", ".join(f"{ceil[k]:.1f}" for k in ("h2d", "d2h", "both") if k in ceil)
+    lines = [f"{device}; ceiling (bulk pinned memcpy, H2D, D2H, both ways): {both} GB/s; "
+             "a cell is per-layer load H2D / all-layer backup D2H, GB/s (% of the ceiling).", "",
+             "| path | " + " | ".join(f"page {p}" for p in pages) + " | host us per load |",
+             "|---|" + "---|" * len(pages) + "---|"]
+    for section, name in names:
+        if section == "package":
+            backend, layout, io = name.split()
+            label = f"{backend} {io}, {layout}"
+        else:
+            label = f"peer: {name}"
+        lines.append(f"| {label} | " + " | ".join(cell(name, section, p) for p in pages) + f" | {host_us(name, section)} |")
+    quota = [r for r in rows if r.section == "block_quota" and r.direction == "h2d"]
+    if quota:
+        lines += ["", "| kernel blocks (H2D, page: GB/s) | " + " | ".join(sorted({r.name for r in quota}, key=lambda n: int(n.split()[-2]))) + " |"]
+        lines.append("|---|" + "---|" * len({r.name for r in quota}))
+        for page in sorted({r.page_size for r in quota}, reverse=True):
+            by = {r.name: r for r in quota if r.page_size == page}
+            lines.append(f"| page {page} | " + " | ".join(f"{by[n].gbps:.1f}" if n in by else "" for n in sorted({r.name for r in quota}, key=lambda n: int(n.split()[-2]))) + " |")
+    both_rows = [r for r in rows if r.section == "both"]
+    if both_rows:
+        lines += ["", "| both directions at once (50 MB each way) | GB/s | % of the both-ways ceiling |", "|---|---|---|"]
+        lines += [f"| {r.name} | {r.gbps:.1f} | {r.pct_ceiling:.0f}% |" for r in both_rows]
+    inter = [r for r in rows if r.section == "interference" and r.direction == "h2d"]
+    if inter:
+        lines += ["", "| during a bf16 matmul loop | load GB/s | matmul slowdown |", "|---|---|---|"]
+        lines += [f"| {r.name} | {r.gbps:.1f} | {r.extra.get('matmul_slowdown_pct', 0):+.1f}% |" for r in inter]
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[Row], path: str) -> None:
     import matplotlib
 
@@ -449,4 +498,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
     if args.plot:
         plot(rows, args.plot)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows, ceil, meta["gpu"] if gpu else f"{device} (CPU backend: says nothing about GPUs)"))
     return 0

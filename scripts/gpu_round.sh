@@ -3,6 +3,7 @@
 # check, the full test suite on every backend available there, a memcheck pass,
 # kernel variants, the benchmark. Logs and JSON go to $OUT (default ./out).
 #   usage: bash scripts/gpu_round.sh [--full]     (--full: the long benchmark)
+#   SKIP_TESTS, SKIP_SANITIZER, SKIP_VARIANTS, SKIP_BENCH=1 leave a step out (to split the round over two calls).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -30,5 +31,9 @@ fi
 if [ -z "${SKIP_VARIANTS:-}" ]; then
   step variants; timeout 200 python3 scripts/kernel_variants.py 2>&1 | tee -a "$LOG"
 fi
-step bench; timeout "${BENCH_TIMEOUT:-420}" python3 -m portable_kv bench $BENCH --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>"$OUT/bench.log" | tee "$OUT/bench.txt"
+if [ -z "${SKIP_BENCH:-}" ]; then
+  step host_cost; timeout 60 python3 scripts/host_cost.py 2>&1 | head -n 7 | tee -a "$LOG"
+  step bench; timeout "${BENCH_TIMEOUT:-420}" python3 -m portable_kv bench $BENCH --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+    --markdown "$OUT/bench.md" 2>"$OUT/bench.log" | tee "$OUT/bench.txt"
+fi
 echo "=== done"

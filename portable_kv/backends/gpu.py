@@ -235,7 +235,7 @@ class GpuBackend(Backend):
     def __init__(self) -> None:
         super().__init__()
         self.block_quota = int(os.environ.get("PORTABLE_KV_BLOCKS", self.default_block_quota))
-        # Extra preprocessor definitions ("PKV_UNROLL=8,PKV_L2_256B"), for measuring kernel variants.
+        # Extra preprocessor definitions ("PKV_UNROLL=8"), for measuring kernel variants (scripts/kernel_variants.py).
         # Streams one batched DMA transfer is spread over: each can drive its own copy
         # engine. H200, page 64: 41.5 GB/s on 1 stream, 45.4 on 2, 55.5 on 4 (NOTES.md).
         self.dma_streams = int(os.environ.get("PORTABLE_KV_DMA_STREAMS", 4))

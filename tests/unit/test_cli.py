@@ -26,7 +26,8 @@ def test_bench_writes_table_and_json(tmp_path, capsys):
     before = backends.current().name
     backends.use("cpu")
     try:
-        assert main(["bench", "--quick", "--page-size", "4", "--pages", "4", "--reps", "2", "--backends", "cpu", "--json", str(path)]) == 0
+        assert main(["bench", "--quick", "--page-size", "4", "--pages", "4", "--reps", "2", "--backends", "cpu", "--json", str(path),
+                     "--markdown", str(tmp_path / "bench.md")]) == 0
     finally:
         backends.use(before)
     out = capsys.readouterr().out
@@ -35,3 +36,28 @@ def test_bench_writes_table_and_json(tmp_path, capsys):
     names = {row["name"] for row in data["rows"]}
     assert any("page_first_direct kernel" in n for n in names) and data["meta"]["ceiling"]["h2d"] > 0
     assert all(row["gbps"] > 0 for row in data["rows"] if row["section"] == "package")
+    table = (tmp_path / "bench.md").read_text()
+    assert "CPU backend" in table and "| cpu kernel, page_first_direct | " in table and "| cpu direct, page_first_direct | " in table
+
+
+def test_markdown_summary_of_gpu_sections():
+    from portable_kv.bench import Row, markdown
+
+    rows = [
+        Row("package", "cuda page_first_direct kernel", "h2d", 64, 50.4, 91.2, 9.8, 16),
+        Row("package", "cuda page_first_direct kernel", "d2h", 64, 51.8, 93.7, 12.0, 16),
+        Row("package", "cuda page_first_direct kernel", "h2d", 1, 50.2, 90.9, 10.1, 16),
+        Row("package", "cuda page_first kernel", "h2d", 64, 40.0, 72.0, 9.0, 16),
+        Row("peer", "per-page copy_ loop", "h2d", 64, 8.6, 15.5, 11500.0),
+        Row("block_quota", "cuda kernel, 8 blocks", "h2d", 64, 41.2, 74.4),
+        Row("block_quota", "cuda kernel, 16 blocks", "h2d", 64, 50.4, 91.2),
+        Row("both", "cuda load kernel + backup kernel at once", "both", 64, 61.3, 61.5),
+        Row("interference", "cuda kernel load during matmul", "h2d", 64, 32.0, extra={"matmul_slowdown_pct": 4.25}),
+    ]
+    text = markdown(rows, {"h2d": 55.3, "d2h": 55.2, "both": 99.7}, "NVIDIA H200")
+    assert "55.3, 55.2, 99.7 GB/s" in text
+    assert "| cuda kernel, page_first_direct | 50.4 (91%) / 51.8 (94%) | 50.2 (91%) | 10 |" in text
+    assert "page_first kernel" not in text  # the README table is the page_first_direct one
+    assert "| peer: per-page copy_ loop | 8.6 (16%) |  | 11500 |" in text
+    assert "| page 64 | 41.2 | 50.4 |" in text
+    assert "| cuda load kernel + backup kernel at once | 61.3 | 62% |" in text and "| +4.2% |" in text

@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=str, default="", help="write every number here")
     p.add_argument("--plot", type=str, default="", help="a PNG of the bandwidths (needs the bench extra)")
     p.add_argument("--markdown", type=str, default="", help="write the summary tables (as in the README) here")
+    p.add_argument("--from-json", type=str, default="", help="measure nothing: print and summarise a saved --json run")
     p.add_argument("--quick", action="store_true", help="about a minute: 8 layers, fewer repetitions, no peers at page 1")
 
 
@@ -397,13 +398,16 @@ def markdown(rows: list[Row], ceil: dict, device: str) -> str:
         else:
             label = f"peer: {name}"
         lines.append(f"| {label} | " + " | ".join(cell(name, section, p) for p in pages) + f" | {host_us(name, section)} |")
-    quota = [r for r in rows if r.section == "block_quota" and r.direction == "h2d"]
+    quota = [r for r in rows if r.section == "block_quota"]
     if quota:
-        lines += ["", "| kernel blocks (H2D, page: GB/s) | " + " | ".join(sorted({r.name for r in quota}, key=lambda n: int(n.split()[-2]))) + " |"]
-        lines.append("|---|" + "---|" * len({r.name for r in quota}))
-        for page in sorted({r.page_size for r in quota}, reverse=True):
-            by = {r.name: r for r in quota if r.page_size == page}
-            lines.append(f"| page {page} | " + " | ".join(f"{by[n].gbps:.1f}" if n in by else "" for n in sorted({r.name for r in quota}, key=lambda n: int(n.split()[-2]))) + " |")
+        counts = sorted({r.extra.get("block_quota", r.grid) for r in quota})
+        lines += ["", "| kernel path against its block quota (H2D / D2H GB/s) | " + " | ".join(f"{c} blocks" for c in counts) + " |",
+                  "|---|" + "---|" * len(counts)]
+        for backend in dict.fromkeys(r.name.split()[0] for r in quota):
+            for page in sorted({r.page_size for r in quota}, reverse=True):
+                by = {(r.extra.get("block_quota", r.grid), r.direction): r.gbps for r in quota if r.page_size == page and r.name.startswith(backend + " ")}
+                cells = [" / ".join(f"{by[c, d]:.1f}" for d in ("h2d", "d2h") if (c, d) in by) for c in counts]
+                lines.append(f"| {backend}, page {page} | " + " | ".join(cells) + " |")
     both_rows = [r for r in rows if r.section == "both"]
     if both_rows:
         lines += ["", "| both directions at once (50 MB each way) | GB/s | % of the both-ways ceiling |", "|---|---|---|"]
@@ -433,11 +437,25 @@ def plot(rows: list[Row], path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.from_json:
+        return render(args)
     if backends.current().device.type == "cuda":
         # Engines transfer on streams of their own; the batched memcpy APIs reject the legacy default stream.
         with torch.cuda.stream(torch.cuda.Stream()):
             return run(args)
     return run(args)
+
+
+def render(args: argparse.Namespace) -> int:
+    """The table and the summary of a saved run (--from-json): no measurement."""
+    with open(args.from_json) as f:
+        data = json.load(f)
+    rows = [Row(**r) for r in data["rows"]]
+    print(table(rows))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows, data["meta"]["ceiling"], data["meta"]["gpu"]))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

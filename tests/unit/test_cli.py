@@ -37,6 +37,8 @@ def test_bench_writes_table_and_json(tmp_path, capsys):
     assert any("page_first_direct kernel" in n for n in names) and data["meta"]["ceiling"]["h2d"] > 0
     assert all(row["gbps"] > 0 for row in data["rows"] if row["section"] == "package")
     table = (tmp_path / "bench.md").read_text()
+    assert main(["bench", "--from-json", str(path), "--markdown", str(tmp_path / "again.md")]) == 0
+    assert (tmp_path / "again.md").read_text().splitlines()[2:] == table.splitlines()[2:]  # the same tables from the saved rows
     assert "CPU backend" in table and "| cpu kernel, page_first_direct | " in table and "| cpu direct, page_first_direct | " in table
 
 
@@ -49,8 +51,9 @@ def test_markdown_summary_of_gpu_sections():
         Row("package", "cuda page_first_direct kernel", "h2d", 1, 50.2, 90.9, 10.1, 16),
         Row("package", "cuda page_first kernel", "h2d", 64, 40.0, 72.0, 9.0, 16),
         Row("peer", "per-page copy_ loop", "h2d", 64, 8.6, 15.5, 11500.0),
-        Row("block_quota", "cuda kernel, 8 blocks", "h2d", 64, 41.2, 74.4),
-        Row("block_quota", "cuda kernel, 16 blocks", "h2d", 64, 50.4, 91.2),
+        Row("block_quota", "cuda kernel, 8 blocks", "h2d", 64, 41.2, 74.4, grid=8, extra={"block_quota": 8}),
+        Row("block_quota", "cuda kernel, 8 blocks", "d2h", 64, 52.3, 94.7, grid=8, extra={"block_quota": 8}),
+        Row("block_quota", "cuda kernel, 16 blocks", "h2d", 64, 50.4, 91.2, grid=16, extra={"block_quota": 16}),
         Row("both", "cuda load kernel + backup kernel at once", "both", 64, 61.3, 61.5),
         Row("interference", "cuda kernel load during matmul", "h2d", 64, 32.0, extra={"matmul_slowdown_pct": 4.25}),
     ]
@@ -59,5 +62,5 @@ def test_markdown_summary_of_gpu_sections():
     assert "| cuda kernel, page_first_direct | 50.4 (91%) / 51.8 (94%) | 50.2 (91%) | 10 |" in text
     assert "page_first kernel" not in text  # the README table is the page_first_direct one
     assert "| peer: per-page copy_ loop | 8.6 (16%) |  | 11500 |" in text
-    assert "| page 64 | 41.2 | 50.4 |" in text
+    assert "| 8 blocks | 16 blocks |" in text and "| cuda, page 64 | 41.2 / 52.3 | 50.4 |" in text
     assert "| cuda load kernel + backup kernel at once | 61.3 | 62% |" in text and "| +4.2% |" in text

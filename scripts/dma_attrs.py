@@ -59,10 +59,6 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-if __name__ == "__main__":
-    with torch.cuda.stream(torch.cuda.Stream()):
-        main()
-
 
 def host_sorted(transfer) -> CopyBatch:
     batch = copy_batch(transfer)
@@ -84,3 +80,8 @@ def orders(args, backend, clock, ceil) -> None:
         gpu.copy_batch = copy_batch
         backend.dma_streams = 4
         host.close()
+
+
+if __name__ == "__main__":
+    with torch.cuda.stream(torch.cuda.Stream()):
+        main()

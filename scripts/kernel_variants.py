@@ -1,6 +1,10 @@
 """Measure compile-time variants of the CUDA copy kernel side by side (one GPU call).
 
-    python3 scripts/kernel_variants.py [--blocks 16] [--layers 8]
+    python3 scripts/kernel_variants.py [--blocks 16] [--layers 8] [--baseline A.h,B.h]
+
+A baseline is an earlier kv_copy.h measured beside the current one on the same
+machine, e.g. the kernel before this session's pipelining:
+    git show 3cb09eb:portable_kv/kernels_common/kv_copy.h > /tmp/kv_copy_3cb09eb.h
 
 Each variant is a set of preprocessor definitions (PORTABLE_KV_DEFINES) that
 kernels_cuda/kv_copy.cu or kernels_common/kv_copy.h read; the table gives

@@ -64,3 +64,20 @@ def test_markdown_summary_of_gpu_sections():
     assert "| peer: per-page copy_ loop | 8.6 (16%) |  | 11500 |" in text
     assert "| 8 blocks | 16 blocks |" in text and "| cuda, page 64 | 41.2 / 52.3 | 50.4 |" in text
     assert "| cuda load kernel + backup kernel at once | 61.3 | 62% |" in text and "| +4.2% |  |" in text
+
+
+def test_every_test_file_is_collected_and_tracked():
+    """tests/build/ once held the toolchain tests: pytest's default norecursedirs skips
+    'build' and .gitignore dropped it, so CI compiled no kernel until this test existed."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    skipped_by_pytest = {"build", "dist", "venv", "node_modules", "CVS", "_darcs"}
+    files = sorted(p.relative_to(root) for p in (root / "tests").rglob("test_*.py"))
+    assert any(p.parts[1] == "toolchains" for p in files)
+    for path in files:
+        assert not skipped_by_pytest & set(path.parts), f"{path} sits where pytest does not look"
+    if (root / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", *map(str, files)], cwd=root, capture_output=True, text=True).stdout.split()
+        assert not ignored, f"test files ignored by git: {ignored}"

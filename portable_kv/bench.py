@@ -469,9 +469,15 @@ def render(args: argparse.Namespace) -> int:
     rows = [Row(**r) for r in data["rows"]]
     print(table(rows))
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown(rows, data["meta"]["ceiling"], data["meta"]["gpu"]))
+        write_markdown(args.markdown, rows, data["meta"])
     return 0
+
+
+def write_markdown(path: str, rows: list[Row], meta: dict) -> None:
+    """The summary of a run, from its rows and --json metadata: a fresh run and --from-json write the same file."""
+    device = meta["gpu"] if meta["gpu"] != "none" else f"{meta['device']} (CPU backend: says nothing about GPUs)"
+    with open(path, "w") as f:
+        f.write(markdown(rows, meta["ceiling"], device))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -533,6 +539,5 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(rows, args.plot)
     if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown(rows, ceil, meta["gpu"] if gpu else f"{device} (CPU backend: says nothing about GPUs)"))
+        write_markdown(args.markdown, rows, meta)
     return 0

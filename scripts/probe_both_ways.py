@@ -21,8 +21,6 @@ from portable_kv import backends
 from portable_kv.bench import Workload, add_arguments
 from portable_kv.plan import CopyBatch
 
-MB = 1 << 20
-
 
 def timed_pair(h2d, d2h, reps: int = 7) -> tuple[float, float, float]:
     """Median (h2d GB/s-time, d2h time, common span) in seconds; each op gets a stream."""

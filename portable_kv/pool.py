@@ -20,8 +20,10 @@ import torch
 
 from . import backends
 from .backends.base import IO_BACKENDS, Backend
-from .layout import LAYOUTS, PAGE_LAYOUTS, canonical_view, check_layout, host_shape
+from .layout import LAYOUTS, PAGE_LAYOUTS, check_layout, host_shape
+from .pages import PageAccess
 from .plan import IdentityCache, IndexPair, TensorPair, Transfer, tensor_pair
+from .sglang_surface import SGLangSurface
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 HOST_MEMORY = ("pinned", "registered")
@@ -118,7 +120,7 @@ def _device_geometry(pool: Any) -> _DeviceGeometry:
     return _geometry_cache.get([*k, *v], lambda: _DeviceGeometry(pool))
 
 
-class AsymmetricHostPool:
+class AsymmetricHostPool(PageAccess, SGLangSurface):
     """The host tier: K and V pages in (page-locked) host memory, in one of four layouts."""
 
     def __init__(
@@ -334,67 +336,6 @@ class AsymmetricHostPool:
         # The caller's tensors, before any conversion, are the key.
         self._validated = [(host_indices, device_indices, key, pair)] + self._validated[:VALIDATED_KEPT - 1]
         return pair
-
-    # -- pages for storage tiers -------------------------------------------------------
-
-    def _page(self, name: str, index: int) -> int:
-        if isinstance(index, torch.Tensor) and index.numel() == 1:
-            index = int(index.item())
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int token index, got {type(index).__name__}")
-        if not 0 <= index < self.size or index % self.page_size:
-            raise ValueError(f"{name}: expected the first token of a page (a multiple of {self.page_size} in [0, {self.size})), got {index}")
-        return int(index) // self.page_size
-
-    def _page_views(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # (page, token, layer, head, dim) -> the page's (layer, token, head, dim)
-        return tuple(canonical_view(b, self.layout, self.page_size)[page].transpose(0, 1) for b in (self.k_buffer, self.v_buffer))
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the page whose first token is `index`: flat (K then V), or (K, V) as (L, P, H, D)."""
-        self._check_open()
-        k, v = self._page_views(self._page("index", index))
-        if not flat:
-            return k.clone(), v.clone()
-        return torch.cat((k.reshape(-1), v.reshape(-1)))
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        self._check_open()
-        page = self._page("index", index)
-        expected = self.flat_page_numel
-        if not isinstance(data_page, torch.Tensor):
-            raise TypeError(f"data_page: expected a torch.Tensor, got {type(data_page).__name__}")
-        if data_page.dtype != self.dtype:
-            raise TypeError(f"data_page: expected dtype {self.dtype}, got {data_page.dtype}")
-        if data_page.dim() != 1 or data_page.numel() != expected:
-            raise ValueError(f"data_page: expected a 1-D tensor of {expected} elements, got shape {tuple(data_page.shape)}")
-        k, v = self._page_views(page)
-        data_page = data_page.cpu()
-        k.copy_(data_page[: k.numel()].view(k.shape))
-        v.copy_(data_page[k.numel() :].view(v.shape))
-
-    @property
-    def flat_page_numel(self) -> int:
-        g = self._geometry
-        return self.layer_num * self.page_size * (g.k_heads * g.k_dim + g.v_heads * g.v_dim)
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(self.flat_page_numel, dtype=self.dtype)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor | Sequence[int]) -> tuple[list[int], list[int]]:
-        """Zero-copy page addresses for storage tiers: [k0, v0, k1, v1, ...] pointers and byte sizes."""
-        self._check_open()
-        if self.layout not in PAGE_LAYOUTS:
-            raise ValueError(f"get_page_buffer_meta: defined for layouts {', '.join(PAGE_LAYOUTS)} (a page's K and V blocks contiguous), this pool is {self.layout!r}")
-        values = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-        pages = [self._page("indices", i) for i in values]
-        k_bytes = self.k_buffer[0].numel() * self.k_buffer.element_size()
-        v_bytes = self.v_buffer[0].numel() * self.v_buffer.element_size()
-        ptrs, sizes = [], []
-        for page in pages:
-            ptrs += [self.k_buffer.data_ptr() + page * k_bytes, self.v_buffer.data_ptr() + page * v_bytes]
-            sizes += [k_bytes, v_bytes]
-        return ptrs, sizes
 
     # -- lifetime ----------------------------------------------------------------------
 

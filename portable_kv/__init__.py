@@ -1,11 +1,46 @@
-"""portable_kv: the host tier of a KV cache for asymmetric K/V, on NVIDIA and AMD alike."""
+"""portable_kv: the host tier of a KV cache for asymmetric K/V, on NVIDIA and AMD alike.
 
-from . import backends
-from .layout import LAYOUTS
-from .pool import AsymmetricHostPool, DeviceKVPool
+Attributes load on first use (PEP 562), so `portable-kv --help` and
+`portable-kv --version` start without importing torch; the backend is
+detected and bound the first time a pool or `backends.current()` needs it.
+"""
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-backends.current()  # detection happens once, here (API.md "Detection")
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool", "backends", "__version__"]
+__version__ = "0.2.0"
+
+_LAZY = {
+    "AsymmetricHostPool": ("portable_kv.pool", "AsymmetricHostPool"),
+    "DeviceKVPool": ("portable_kv.device_pool", "DeviceKVPool"),
+    "LAYOUTS": ("portable_kv.layout", "LAYOUTS"),
+    "backends": ("portable_kv.backends", None),
+    "storage": ("portable_kv.storage", None),
+    "sglang": ("portable_kv.sglang", None),
+}
+
+if TYPE_CHECKING:
+    from . import backends, sglang, storage
+    from .device_pool import DeviceKVPool
+    from .layout import LAYOUTS
+    from .pool import AsymmetricHostPool
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'portable_kv' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = importlib.import_module(module)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool", "backends", "storage", "sglang", "__version__"]

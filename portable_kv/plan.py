@@ -7,7 +7,6 @@ for the DMA path (one batched memcpy call) and for the CPU backend's `direct`.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -16,42 +15,6 @@ import numpy as np
 import torch
 
 from .layout import Chunking, HostStrides, chunking, host_strides
-
-
-class TensorIdentity:
-    """Which tensors a cached fact was computed for.
-
-    id() alone is not enough: a freed pool's ids are reused by the next
-    pool's tensors, and a stale address table would then write into freed
-    memory.  Weak references say whether the very same tensors are still here
-    without keeping them alive.
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.key = tuple(map(id, tensors))
-        self._refs = [weakref.ref(t) for t in tensors]
-
-    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
-        return len(tensors) == len(self._refs) and all(ref() is t for ref, t in zip(self._refs, tensors))
-
-
-class IdentityCache:
-    """A small cache of facts about lists of tensors, keyed by their identity."""
-
-    def __init__(self, limit: int = 64) -> None:
-        self._entries: dict[tuple, tuple[TensorIdentity, object]] = {}
-        self._limit = limit
-
-    def get(self, tensors: Sequence[torch.Tensor], build):
-        entry = self._entries.get(tuple(map(id, tensors)))
-        if entry is not None and entry[0].matches(tensors):
-            return entry[1]
-        if len(self._entries) >= self._limit:  # engines hold a few pools; this bounds a leak, it is no policy
-            self._entries.clear()
-        identity = TensorIdentity(tensors)
-        value = build()
-        self._entries[identity.key] = (identity, value)
-        return value
 
 
 @dataclass(frozen=True)

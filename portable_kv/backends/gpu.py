@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..plan import CopyBatch, IdentityCache, TensorPair, Transfer, copy_batch
+from ..cache import IdentityCache
+from ..plan import CopyBatch, TensorPair, Transfer, copy_batch
 from .base import Backend, BackendUnavailable, BadIndexFlag
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -243,7 +244,7 @@ class GpuBackend(Backend):
         self._kernels: dict[int, object] | None = None
         self._load_lock = threading.Lock()
         self._local = threading.local()
-        self._tables = IdentityCache()
+        self._tables = IdentityCache(64)
         self._templates: dict[int, tuple] = {}
         self.bad_index = BadIndexFlag(self.device)
 

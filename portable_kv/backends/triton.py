@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from ..plan import IdentityCache, TensorPair, Transfer
+from ..cache import IdentityCache
+from ..plan import TensorPair, Transfer
 from .base import Backend, BadIndexFlag
 from .gpu import LayerTable, access_width
 
@@ -96,7 +97,7 @@ class TritonBackend(Backend):
         super().__init__()
         self.vendor = "cpu" if self.device.type == "cpu" else ("amd" if getattr(torch.version, "hip", None) else "nvidia")
         self.block_quota = int(os.environ.get("PORTABLE_KV_BLOCKS", 32 if self.vendor == "amd" else 16))
-        self._tables = IdentityCache()
+        self._tables = IdentityCache(64)
         self.bad_index = BadIndexFlag(self.device)
 
     def _device(self) -> torch.device:

@@ -3,6 +3,11 @@
 A mixin of AsymmetricHostPool.  It relies on the pool's `k_buffer`, `v_buffer`,
 `layout`, `page_size`, `size`, `page_num`, `layer_num`, `dtype`, `_geometry`
 (k_heads, k_dim, v_heads, v_dim) and `_check_open()`.
+
+Byte order and addresses are SGLang 0.5.23's MHA host pool's
+(`pool_host/mha.py`), layout by layout, so a page that either pool put in a
+shared L3 tier reads back correctly in the other: a flat page is the K block
+then the V block, each in the layout's own memory order.
 """
 
 from __future__ import annotations
@@ -12,32 +17,51 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .layout import PAGE_LAYOUTS, canonical_view
+from .layout import host_strides
+
+# Layouts whose page (all layers) is one contiguous block per K and V.
+PAGE_MAJOR_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 
 
 class PageAccess:
-    def _page(self, name: str, index: int) -> int:
-        if isinstance(index, torch.Tensor) and index.numel() == 1:
+    def _page(self, name: str, index: int | torch.Tensor | np.integer) -> int:
+        """The page whose first token is `index`."""
+        if isinstance(index, torch.Tensor):
+            if index.dim() != 0 or index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+                raise TypeError(f"{name}: expected an integer token index, got a tensor of shape {tuple(index.shape)} and dtype {index.dtype}")
             index = int(index.item())
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int token index, got {type(index).__name__}")
+        if isinstance(index, (bool, np.bool_)) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"{name}: expected an integer token index, got {type(index).__name__}")
         if not 0 <= index < self.size or index % self.page_size:
             raise ValueError(f"{name}: expected the first token of a page (a multiple of {self.page_size} in [0, {self.size})), got {index}")
         return int(index) // self.page_size
 
     def _page_views(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # (page, token, layer, head, dim) -> the page's (layer, token, head, dim)
-        return tuple(canonical_view(b, self.layout, self.page_size)[page].transpose(0, 1) for b in (self.k_buffer, self.v_buffer))
+        """The page's K and V as views, in the layout's own order (SGLang's `get_data_page(flat=False)`)."""
+        first = page * self.page_size
+        if self.layout == "layer_first":
+            return self.k_buffer[:, first : first + self.page_size], self.v_buffer[:, first : first + self.page_size]
+        if self.layout == "page_first":
+            return self.k_buffer[first : first + self.page_size], self.v_buffer[first : first + self.page_size]
+        return self.k_buffer[page : page + 1], self.v_buffer[page : page + 1]
 
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the page whose first token is `index`: flat (K then V), or (K, V) as (L, P, H, D)."""
+    def get_data_page(self, index: int | torch.Tensor | np.integer, flat: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The page whose first token is `index`.
+
+        `flat=True`: a copy, one 1-D tensor, K block then V block in the layout's
+        order.  `flat=False`: `(k, v)` views into host memory (a storage tier
+        reads straight into them): `k_buffer[:, i:i+P]` (layer_first),
+        `k_buffer[i:i+P]` (page_first), `k_buffer[p:p+1]` (page_first_direct,
+        page_head).
+        """
         self._check_open()
         k, v = self._page_views(self._page("index", index))
         if not flat:
-            return k.clone(), v.clone()
+            return k, v
         return torch.cat((k.reshape(-1), v.reshape(-1)))
 
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+    def set_from_flat_data_page(self, index: int | torch.Tensor | np.integer, data_page: torch.Tensor) -> None:
+        """Write a flat page (as `get_data_page(index)` returns it) to the page whose first token is `index`."""
         self._check_open()
         page = self._page("index", index)
         expected = self.flat_page_numel
@@ -54,24 +78,110 @@ class PageAccess:
 
     @property
     def flat_page_numel(self) -> int:
+        """Elements of one flat page (K and V, all layers)."""
         g = self._geometry
         return self.layer_num * self.page_size * (g.k_heads * g.k_dim + g.v_heads * g.v_dim)
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
+        """Zeros of one flat page's size and dtype: a buffer a storage tier reads a page into."""
         return torch.zeros(self.flat_page_numel, dtype=self.dtype)
 
+    # -- zero-copy addresses -------------------------------------------------------------
+
+    def _first_pages(self, indices: torch.Tensor | Sequence[int]) -> list[int]:
+        """Pages of SGLang's storage-call indices: every token of each page, whole pages, in order."""
+        if isinstance(indices, torch.Tensor):
+            if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+                raise TypeError(f"indices: expected a 1-D integer tensor or a list of ints, got shape {tuple(indices.shape)} and dtype {indices.dtype}")
+            tokens = indices.cpu().numpy().astype(np.int64)
+        else:
+            values = list(indices)
+            if any(isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) for i in values):
+                raise TypeError("indices: expected a 1-D integer tensor or a list of ints")
+            tokens = np.asarray(values, dtype=np.int64)
+        p = self.page_size
+        if tokens.size % p:
+            raise ValueError(f"indices: expected every token of whole pages (a length that is a multiple of {p}), got {tokens.size}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.size):
+            raise ValueError(f"indices: expected token slots in [0, {self.size}), got {int(tokens.min())}..{int(tokens.max())}")
+        runs = tokens.reshape(-1, p)
+        whole = (runs[:, 0] % p == 0) & (runs == runs[:, :1] + np.arange(p)).all(axis=1)
+        if not whole.all():
+            bad = int(np.argmin(whole))
+            raise ValueError(f"indices: expected each run of {p} to be one whole page (first a multiple of {p}, then consecutive); run {bad} starts {runs[bad, :4].tolist()}")
+        return (runs[:, 0] // p).tolist()
+
     def get_page_buffer_meta(self, indices: torch.Tensor | Sequence[int]) -> tuple[list[int], list[int]]:
-        """Zero-copy page addresses for storage tiers: [k0, v0, k1, v1, ...] pointers and byte sizes."""
+        """Byte addresses and sizes of whole pages, for a storage tier that copies them in place.
+
+        `indices` are all token slots of the pages (a 1-D integer tensor on any
+        device, or a list of ints), as SGLang's storage backends pass them.
+        page_first, page_first_direct, page_head: ``[k0, v0, k1, v1, ...]``, each
+        a page's contiguous K (V) block.  layer_first: for each page and each
+        layer ``[k, v]``, one layer's page each.
+        """
         self._check_open()
-        if self.layout not in PAGE_LAYOUTS:
-            raise ValueError(f"get_page_buffer_meta: defined for layouts {', '.join(PAGE_LAYOUTS)} (a page's K and V blocks contiguous), this pool is {self.layout!r}")
-        values = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-        pages = [self._page("indices", i) for i in values]
-        k_bytes = self.k_buffer[0].numel() * self.k_buffer.element_size()
-        v_bytes = self.v_buffer[0].numel() * self.v_buffer.element_size()
+        pages = self._first_pages(indices)
+        k, v = host_strides(self.k_buffer, self.layout, self.page_size), host_strides(self.v_buffer, self.layout, self.page_size)
+        k_base, v_base = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()
+        # A page-major layout's page stride is its page's size; in layer_first it
+        # is one layer's page (layers are `layer` bytes apart).
+        layers = [0] if self.layout in PAGE_MAJOR_LAYOUTS else range(self.layer_num)
         ptrs, sizes = [], []
         for page in pages:
-            ptrs += [self.k_buffer.data_ptr() + page * k_bytes, self.v_buffer.data_ptr() + page * v_bytes]
-            sizes += [k_bytes, v_bytes]
+            for layer in layers:
+                ptrs += [k_base + page * k.page + layer * k.layer, v_base + page * v.page + layer * v.layer]
+                sizes += [k.page, v.page]
         return ptrs, sizes
 
+    def get_split_heads_page_buffer_meta(self, indices: torch.Tensor | Sequence[int], split_factor: int) -> tuple[list[int], list[int]]:
+        """page_head only: each page's K and V cut into `split_factor` head groups, ``[k, v]`` per group.
+
+        For a storage tier shared by ranks of another tensor-parallel width
+        (each of their pages holds a share of these heads).
+        """
+        self._check_open()
+        if self.layout != "page_head":
+            raise ValueError(f"get_split_heads_page_buffer_meta: needs layout 'page_head' (heads outermost in a page), this pool is {self.layout!r}")
+        g = self._geometry
+        if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor <= 0 or g.k_heads % split_factor or g.v_heads % split_factor:
+            raise ValueError(f"split_factor: expected a positive divisor of the head counts (K {g.k_heads}, V {g.v_heads}), got {split_factor!r}")
+        pages = self._first_pages(indices)
+        k, v = host_strides(self.k_buffer, self.layout, self.page_size), host_strides(self.v_buffer, self.layout, self.page_size)
+        k_base, v_base = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()
+        k_group, v_group = g.k_heads // split_factor, g.v_heads // split_factor
+        ptrs, sizes = [], []
+        for page in pages:
+            for group in range(split_factor):
+                ptrs += [k_base + page * k.page + group * k_group * k.head, v_base + page * v.page + group * v_group * v.head]
+                sizes += [k.page // split_factor, v.page // split_factor]
+        return ptrs, sizes
+
+    def get_page_buffer_element_size(self, split_factor: int = 1) -> int:
+        """Bytes of the first element `get_page_buffer_meta` (or the split variant) gives for a page: its K block."""
+        first_page = list(range(self.page_size))
+        meta = self.get_page_buffer_meta(first_page) if split_factor == 1 else self.get_split_heads_page_buffer_meta(first_page, split_factor)
+        return meta[1][0]
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        """Whether every page's K and V start on a `page_size_bytes` boundary (O_DIRECT file I/O needs it).
+
+        False for layer_first, whose page is not one block.
+        """
+        self._check_open()
+        if self.layout not in PAGE_MAJOR_LAYOUTS:
+            return False
+        return all(
+            buffer.data_ptr() % page_size_bytes == 0 and host_strides(buffer, self.layout, self.page_size).page % page_size_bytes == 0
+            for buffer in (self.k_buffer, self.v_buffer)
+        )
+
+    @property
+    def kv_buffer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k_buffer, v_buffer)``, as SGLang's asymmetric pool has it; None once closed."""
+        return None if self.k_buffer is None else (self.k_buffer, self.v_buffer)
+
+    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
+        """The host tensors a storage tier registers for zero-copy I/O: ``[k_buffer, v_buffer]``."""
+        self._check_open()
+        return [self.k_buffer, self.v_buffer]

@@ -1,0 +1,76 @@
+"""LocalStore: pages as files in one directory; the embedded default, no server.
+
+One file per page, `{name}.bin`, holding the page's K block then its V block
+(SGLang's flat page).  A file appears whole or not at all (written under a
+temporary name, then renamed), so several processes can share the directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .base import PageStore
+
+
+def _memory(ptr: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+
+
+class LocalStore(PageStore):
+    """Pages of `host` as files under `path` (created if missing); namespaced by model and rank like MooncakeStore."""
+
+    def __init__(self, host: Any, path: str | os.PathLike, *, model_name: str = "", tp_rank: int = 0, pp_rank: int | None = None, backend_tag: str = "") -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a directory path, got {type(path).__name__}")
+        super().__init__(host, model_name=model_name, tp_rank=tp_rank, pp_rank=pp_rank, backend_tag=backend_tag)
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise ValueError(f"path: expected a directory, got the file {str(self.path)!r}")
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def _file(self, name: str) -> Path:
+        return self.path / f"{name}.bin"
+
+    def _exist(self, names: list[str]) -> list[bool]:
+        return [self._file(name).is_file() for name in names]
+
+    def _put(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
+        return [self._write(name, k, v) for name, k, v in zip(names, k_ptrs, v_ptrs)]
+
+    def _get(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
+        return [self._read(name, k, v) for name, k, v in zip(names, k_ptrs, v_ptrs)]
+
+    def _write(self, name: str, k_ptr: int, v_ptr: int) -> bool:
+        final = self._file(name)
+        if final.is_file():
+            return True
+        partial = final.with_name(f".{final.name}.{uuid.uuid4().hex}")
+        try:
+            with open(partial, "wb") as out:
+                out.write(_memory(k_ptr, self.k_page_bytes))
+                out.write(_memory(v_ptr, self.v_page_bytes))
+            os.replace(partial, final)
+            return True
+        except OSError:
+            # A full or read-only disk refuses this page; the caller sees False and may retry later.
+            partial.unlink(missing_ok=True)
+            return False
+
+    def _read(self, name: str, k_ptr: int, v_ptr: int) -> bool:
+        try:
+            with open(self._file(name), "rb") as src:
+                if os.fstat(src.fileno()).st_size != self.k_page_bytes + self.v_page_bytes:
+                    return False
+                return src.readinto(_memory(k_ptr, self.k_page_bytes)) == self.k_page_bytes and src.readinto(_memory(v_ptr, self.v_page_bytes)) == self.v_page_bytes
+        except OSError:
+            return False
+
+    def _close(self) -> None:
+        """Nothing is held between calls: every file is closed when its call returns."""
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.path)!r}, layout={self.host.layout!r}, page_size={self.page_size})"

@@ -1,0 +1,160 @@
+"""MooncakeStore: pages in a Mooncake Store cluster, shared across processes, hosts and SGLang.
+
+The host pool's K and V buffers are registered with the Mooncake client once;
+pages then move zero-copy between the pool and the cluster
+(`batch_put_from` / `batch_get_into`).  Objects are named and laid out as
+SGLang 0.5.23's Mooncake backend names and lays them out (base.py).
+
+Bounded waits: the constructor probes the master's RPC port (TCP connect,
+MASTER_PROBE_S) before Mooncake's own setup, which would retry for about
+90 s.  Once set up, every call returns within Mooncake's RPC timeouts: with
+the master gone, a lookup or get fails at once (RPC_FAIL, -900) and a put
+within about 4.3 s; `close()` then takes about 11 s (the client's unmount
+retries).  Failed pages are reported False, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Any
+
+from .base import PageStore
+from .master import answers, split_address
+
+log = logging.getLogger(__name__)
+
+MASTER_PROBE_S = 5.0
+# Mooncake's per-client transfer buffer; the zero-copy calls do not use it, but setup requires one.
+LOCAL_BUFFER_BYTES = 16 << 20
+# Mooncake refuses to mount a segment smaller than this (seen with 0.3.13).
+MIN_SEGMENT_BYTES = 16 << 20
+
+# Mooncake's ErrorCode values (mooncake-store/include/types.h) that a page operation reports.
+ERRORS = {
+    -200: "no space (NO_AVAILABLE_HANDLE)",
+    -600: "invalid parameters (INVALID_PARAMS)",
+    -703: "replica not ready (REPLICA_IS_NOT_READY)",
+    -704: "not found (OBJECT_NOT_FOUND)",
+    -707: "lease expired during the transfer (LEASE_EXPIRED)",
+    -800: "transfer failed (TRANSFER_FAIL)",
+    -900: "master unreachable (RPC_FAIL)",
+    -901: "master timed out (RPC_TIMEOUT)",
+}
+
+
+def describe(code: int) -> str:
+    """Mooncake's name for a negative result code."""
+    return ERRORS.get(code, f"Mooncake error {code}")
+
+
+class MooncakeStore(PageStore):
+    """A Mooncake Store client over the pages of `host`.
+
+    `master` is the master's RPC "host:port"; `local_hostname` the address
+    this client's transfer engine announces; `protocol` "tcp" or "rdma" (with
+    `device_name`, e.g. "mlx5_0", for RDMA); `segment_size_gb` the memory this
+    client contributes to the cluster (0: none, a pure client; otherwise at
+    least 16 MiB and at least one page's K block).  `model_name`, `tp_rank`,
+    `pp_rank` and `backend_tag` make the key namespace, as in SGLang.
+    """
+
+    def __init__(
+        self,
+        host: Any,
+        master: str = "127.0.0.1:50051",
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        metadata_server: str = "P2PHANDSHAKE",
+        segment_size_gb: float = 1.0,
+        model_name: str = "",
+        tp_rank: int = 0,
+        pp_rank: int | None = None,
+        backend_tag: str = "",
+        device_name: str = "",
+    ) -> None:
+        super().__init__(host, model_name=model_name, tp_rank=tp_rank, pp_rank=pp_rank, backend_tag=backend_tag)
+        self.closed = True  # until the client is set up, close() has nothing to release
+        for name, value in (("local_hostname", local_hostname), ("protocol", protocol), ("metadata_server", metadata_server), ("device_name", device_name)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+        split_address(master)
+        if isinstance(segment_size_gb, bool) or not isinstance(segment_size_gb, numbers.Real) or segment_size_gb < 0:
+            raise ValueError(f"segment_size_gb: expected a number >= 0, got {segment_size_gb!r}")
+        self.segment_bytes = int(segment_size_gb * (1 << 30))
+        largest = max(self.k_page_bytes, self.v_page_bytes)
+        if self.segment_bytes and self.segment_bytes < max(MIN_SEGMENT_BYTES, largest):
+            raise ValueError(
+                f"segment_size_gb: expected 0 or at least {max(MIN_SEGMENT_BYTES, largest) / (1 << 30):.4f} GiB "
+                f"(Mooncake's minimum segment, and one page's K block of {self.k_page_bytes} bytes must fit), got {segment_size_gb}"
+            )
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise ImportError("MooncakeStore: the Mooncake client is not installed; pip install 'portable-kv[mooncake]'") from exc
+        if not answers(master, timeout_s=MASTER_PROBE_S):
+            raise ConnectionError(f"master: no Mooncake master answers at {master} (TCP connect, {MASTER_PROBE_S:.0f} s); start mooncake_master there or fix the address")
+        self.master = master
+        self._client = MooncakeDistributedStore()
+        code = self._client.setup(local_hostname, metadata_server, self.segment_bytes, LOCAL_BUFFER_BYTES, protocol, device_name, master)
+        if code != 0:
+            raise ConnectionError(f"master: Mooncake client setup against {master} failed: {describe(code)} (protocol {protocol!r}, local_hostname {local_hostname!r})")
+        self._registered: list[int] = []
+        try:
+            for buffer in (host.k_buffer, host.v_buffer, self._stage):
+                if buffer is not None:
+                    self._register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+        except BaseException:
+            self._release()
+            raise
+        self.closed = False
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        code = self._client.register_buffer(ptr, nbytes)
+        if code != 0:
+            raise RuntimeError(f"host: Mooncake refused to register {nbytes} bytes at {ptr:#x}: {describe(code)}")
+        self._registered.append(ptr)
+
+    def _exist(self, names: list[str]) -> list[bool]:
+        codes = self._client.batch_is_exist([f"{name}_{part}" for name in names for part in "kv"])
+        self._warn("lookup", [c for c in codes if c < 0])
+        return [k == 1 and v == 1 for k, v in zip(codes[0::2], codes[1::2])]
+
+    def _put(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
+        objects = [f"{name}_{part}" for name in names for part in "kv"]
+        ptrs = [p for pair in zip(k_ptrs, v_ptrs) for p in pair]
+        sizes = [self.k_page_bytes, self.v_page_bytes] * len(names)
+        # A put to a stored key succeeds without copying (Mooncake), so only the missing objects are sent.
+        present = self._client.batch_is_exist(objects)
+        missing = [i for i, code in enumerate(present) if code != 1]
+        codes = [0] * len(objects)
+        if missing:
+            sent = self._client.batch_put_from([objects[i] for i in missing], [ptrs[i] for i in missing], [sizes[i] for i in missing])
+            for i, code in zip(missing, sent):
+                codes[i] = code
+        self._warn("put", [c for c in codes if c < 0])
+        return [k == 0 and v == 0 for k, v in zip(codes[0::2], codes[1::2])]
+
+    def _get(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
+        objects = [f"{name}_{part}" for name in names for part in "kv"]
+        ptrs = [p for pair in zip(k_ptrs, v_ptrs) for p in pair]
+        sizes = [self.k_page_bytes, self.v_page_bytes] * len(names)
+        codes = self._client.batch_get_into(objects, ptrs, sizes)
+        self._warn("get", [c for c in codes if c < 0 and c != -704])
+        return [k == self.k_page_bytes and v == self.v_page_bytes for k, v in zip(codes[0::2], codes[1::2])]
+
+    def _warn(self, what: str, failures: list[int]) -> None:
+        if failures:
+            log.warning("MooncakeStore %s at %s: %d objects failed, first: %s", what, self.master, len(failures), describe(failures[0]))
+
+    def _close(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        for ptr in self._registered:
+            self._client.unregister_buffer(ptr)
+        self._registered = []
+        self._client.close()
+
+    def __repr__(self) -> str:
+        return f"MooncakeStore(master={self.master!r}, layout={self.host.layout!r}, page_size={self.page_size}, namespace={self.object_names(['<key>'])[0]!r})"

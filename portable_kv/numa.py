@@ -103,6 +103,19 @@ def pci_numa_node(pci: str, sysfs: Path = SYSFS) -> int | None:
     return node if node >= 0 else None
 
 
+def release_cached_host_memory() -> None:
+    """Free the page-locked blocks torch's caching host allocator keeps for reuse.
+
+    `torch.empty(..., pin_memory=True)` hands back a freed block of the same
+    power-of-two size class when it has one, placed wherever it was first
+    allocated; after this call the next pinned allocation is a fresh one, placed
+    by the memory policy in force.  Blocks still awaiting a stream's event stay."""
+    accelerator = getattr(torch, "accelerator", None)
+    release = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is not None:
+        release()
+
+
 # -- the calling thread's memory policy ---------------------------------------------------
 
 

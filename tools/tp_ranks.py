@@ -181,7 +181,7 @@ class RankRun:
         self.placement = numa.placement(self.device) if options["numa"] == "local" else numa.Placement(None, "--numa off: default placement")
         self.dev = pk.DeviceKVPool(LAYERS, options["device_tokens"], PAGE_SIZE, K_HEADS, K_DIM, V_DIM, V_HEADS, dtype=DTYPE, device=self.device)
         # A fresh block for each host buffer: a cached one may sit on any node.
-        torch.accelerator.empty_host_cache()
+        numa.release_cached_host_memory()
         with numa.bind_allocations(self.placement.node):
             self.host = pk.AsymmetricHostPool(self.dev, host_to_device_ratio=options["host_ratio"], layout="page_first_direct", io_backend=options["io"])
             self.bulk_host = torch.empty(CEILING_BYTES, dtype=torch.uint8, pin_memory=True)

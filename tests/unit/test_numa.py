@@ -155,6 +155,16 @@ def test_tensor_page_nodes_needs_a_host_tensor():
         numa.tensor_page_nodes(torch.empty(4, device="meta"))
 
 
+def test_release_cached_host_memory_uses_what_this_torch_has(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("accelerator"))
+    numa.release_cached_host_memory()
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache")
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: calls.append("older torch"), raising=False)
+    numa.release_cached_host_memory()
+    assert calls == ["accelerator", "older torch"]
+
+
 GPU_BACKEND = next((n for n in ("cuda", "rocm") if backends.unavailable_reason(n) is None), None)
 
 
@@ -168,7 +178,7 @@ def test_page_locked_memory_lands_on_the_gpu_node():
             pytest.skip(f"no node to place on: {placed.reason}")
         for node in numa.numa_nodes():
             # A fresh block: the caching host allocator would hand back a freed one of the same size class.
-            torch.accelerator.empty_host_cache()
+            numa.release_cached_host_memory()
             with numa.bind_allocations(node):
                 pinned = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
             assert set(numa.tensor_page_nodes(pinned, step_pages=64)) == {node}, f"pinned memory, node {node}"

@@ -1,15 +1,18 @@
-"""The split K/V roundtrip that `portable-kv check` runs for every layout x io backend."""
+"""The split K/V roundtrip that `portable-kv check` runs for every layout x io backend,
+and the byte-level helpers the test suite shares with it (one copy, here)."""
 
 from __future__ import annotations
 
+import importlib.util
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
+import portable_kv as pk
+
 from . import backends
-from .layout import LAYOUTS
-from .pool import AsymmetricHostPool, DeviceKVPool
 
 
 @dataclass
@@ -22,52 +25,73 @@ class CheckResult:
     detail: str = ""
 
 
-def fill_random(t: torch.Tensor, generator: torch.Generator) -> None:
+@dataclass(frozen=True)
+class Geometry:
+    """The roundtrip's pools: small, with K and V of different head_dim (the case this package exists for)."""
+
+    layers: int = 4
+    tokens: int = 256
+    page_size: int = 16
+    k_heads: int = 4
+    k_dim: int = 192
+    v_heads: int = 4
+    v_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+
+
+GEOMETRY = Geometry()
+
+
+def randomize(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Random bit patterns (NaNs included): results are compared as bytes, never as floats."""
     raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=generator)
     t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
+    return t
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the bytes of a tensor, on the CPU: a snapshot that later writes to `t` leave alone
+    (`.cpu()` of a CPU tensor would be `t` itself)."""
+    return t.contiguous().view(torch.uint8).to("cpu", copy=True)
 
 
-def roundtrip(layout: str, io_backend: str, *, layers: int = 4, tokens: int = 256, page_size: int = 16,
-              k_heads: int = 4, k_dim: int = 192, v_heads: int = 4, v_dim: int = 128,
-              dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> CheckResult:
+def page_tokens(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """All token slots of the given pages, page after page."""
+    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def roundtrip(layout: str, io_backend: str, geometry: Geometry = GEOMETRY, seed: int = 0) -> CheckResult:
     """Back up device pages to host pages, zero the device, load them back per layer into
     other pages; K and V must come back byte-exact, every other token untouched."""
+    g = geometry
     gen = torch.Generator().manual_seed(seed)
-    dev = DeviceKVPool(layers, tokens, page_size, k_heads, k_dim, v_dim, v_heads=v_heads, dtype=dtype)
+    dev = pk.DeviceKVPool(g.layers, g.tokens, g.page_size, g.k_heads, g.k_dim, g.v_dim, v_heads=g.v_heads, dtype=g.dtype)
     for buf in dev.k_buffer + dev.v_buffer:
-        fill_random(buf, gen)
-    original = [b.clone() for b in dev.k_buffer + dev.v_buffer]
-    with AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io_backend) as host:
-        pages = tokens // page_size
+        randomize(buf, gen)
+    original = [bits(b) for b in dev.k_buffer + dev.v_buffer]
+    with pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io_backend) as host:
+        pages = g.tokens // g.page_size
         src_pages = torch.randperm(pages, generator=gen)[: pages // 2]
-        host_pages = torch.randperm(host.page_num, generator=gen)[: src_pages.numel()]
-        dst_pages = torch.randperm(pages, generator=gen)[: src_pages.numel()]
-        offsets = torch.arange(page_size)
-        src = (src_pages[:, None] * page_size + offsets).reshape(-1)
-        host_idx = (host_pages[:, None] * page_size + offsets).reshape(-1)
-        dst = (dst_pages[:, None] * page_size + offsets).reshape(-1)
+        src = page_tokens(src_pages, g.page_size)
+        host_idx = page_tokens(torch.randperm(host.page_num, generator=gen)[: src_pages.numel()], g.page_size)
+        dst = page_tokens(torch.randperm(pages, generator=gen)[: src_pages.numel()], g.page_size)
         start = time.perf_counter()
         host.backup_from_device_all_layer(dev, host_idx, src)
         for buf in dev.k_buffer + dev.v_buffer:
             buf.zero_()
-        for layer in range(layers):
+        for layer in range(g.layers):
             host.load_to_device_per_layer(dev, host_idx, dst, layer)
         host.backend.synchronize()
         seconds = time.perf_counter() - start
-        moved = 2 * src.numel() * layers * (k_heads * k_dim + v_heads * v_dim) * dev.k_buffer[0].element_size()
-    untouched = torch.ones(tokens, dtype=torch.bool)
+        moved = 2 * src.numel() * g.layers * (g.k_heads * g.k_dim + g.v_heads * g.v_dim) * dev.k_buffer[0].element_size()
+    untouched = torch.ones(g.tokens, dtype=torch.bool)
     untouched[dst] = False
-    untouched = untouched.to(dev.device)
     for n, (got, want) in enumerate(zip(dev.k_buffer + dev.v_buffer, original)):
-        name, layer = ("K" if n < layers else "V"), n % layers
-        if not same_bytes(got[dst.to(got.device)], want[src.to(want.device)]):
+        name, layer = ("K" if n < g.layers else "V"), n % g.layers
+        got = bits(got)
+        if not torch.equal(got[dst], want[src]):
             return CheckResult(layout, io_backend, False, moved, seconds, f"{name} of layer {layer} differs after the roundtrip")
-        if got[untouched].view(torch.uint8).any():
+        if got[untouched].any():
             return CheckResult(layout, io_backend, False, moved, seconds, f"{name} of layer {layer}: a token outside the targets changed")
     return CheckResult(layout, io_backend, True, moved, seconds)
 
@@ -75,10 +99,48 @@ def roundtrip(layout: str, io_backend: str, *, layers: int = 4, tokens: int = 25
 def run_check() -> list[CheckResult]:
     backend = backends.current()
     results = []
-    for layout in LAYOUTS:
+    for layout in pk.LAYOUTS:
         for io in backend.io_backends:
             try:
                 results.append(roundtrip(layout, io))
             except Exception as exc:  # a check reports every failure, it does not stop at the first
                 results.append(CheckResult(layout, io, False, 0, 0.0, f"{type(exc).__name__}: {exc}"))
     return results
+
+
+def storage_check(geometry: Geometry = GEOMETRY, seed: int = 0) -> list[CheckResult]:
+    """Pages put to the embedded local L3 store and got back into other host pages, byte-exact;
+    no row where this install has no storage tier."""
+    if importlib.util.find_spec("portable_kv.storage") is None:
+        return []
+    g = geometry
+    layout = "page_first_direct"
+    start = time.perf_counter()
+    try:
+        from . import storage
+
+        if not hasattr(storage, "LocalStore"):
+            return []
+        gen = torch.Generator().manual_seed(seed)
+        dev = pk.DeviceKVPool(g.layers, g.tokens, g.page_size, g.k_heads, g.k_dim, g.v_dim, v_heads=g.v_heads, dtype=g.dtype)
+        with pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout) as host, tempfile.TemporaryDirectory() as path:
+            randomize(host.k_buffer, gen)
+            randomize(host.v_buffer, gen)
+            pages = torch.randperm(host.page_num, generator=gen)
+            half = host.page_num // 2
+            src, dst = page_tokens(pages[:half], g.page_size), page_tokens(pages[half:2 * half], g.page_size)
+            keys = [f"check-{seed}-{i}" for i in range(half)]
+            with storage.LocalStore(host, path) as store:
+                stored, read = store.put(keys, src), store.get(keys, dst)
+            moved = 2 * half * g.page_size * g.layers * (g.k_heads * g.k_dim + g.v_heads * g.v_dim) * host.k_buffer.element_size()
+            k, v = bits(host.k_buffer), bits(host.v_buffer)
+            src_pages, dst_pages = pages[:half], pages[half:2 * half]
+            same = torch.equal(k[dst_pages], k[src_pages]) and torch.equal(v[dst_pages], v[src_pages])
+    except Exception as exc:  # reported as a FAIL row like the roundtrips above
+        return [CheckResult(layout, "L3 local", False, 0, time.perf_counter() - start, f"{type(exc).__name__}: {exc}")]
+    seconds = time.perf_counter() - start
+    if not all(stored) or not all(read):
+        detail = f"{stored.count(False)} of {half} puts and {read.count(False)} gets failed"
+        return [CheckResult(layout, "L3 local", False, moved, seconds, detail)]
+    detail = "put and got back through the local store" if same else "pages read back from the local store differ"
+    return [CheckResult(layout, "L3 local", same, moved, seconds, detail)]

@@ -1,8 +1,13 @@
-"""Test-side statement of the contract (API.md), written independently of the package's layout code."""
+"""Test-side statement of the contract (docs/API.md), written independently of the package's layout code.
+
+The byte helpers (bits, randomize, page_tokens) are `portable-kv check`'s own, re-exported here.
+"""
 
 from __future__ import annotations
 
 import torch
+
+from portable_kv.check import bits, page_tokens, randomize
 
 DTYPES = [torch.float16, torch.bfloat16] + ([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
 TOKEN_LAYOUTS = ("layer_first", "page_first")
@@ -22,21 +27,6 @@ def host_row(buffer: torch.Tensor, layout: str, page_size: int, token: int, laye
     raise AssertionError(layout)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Bytes of a tensor: roundtrips compare bit patterns, never floats (random bf16 holds NaNs)."""
-    return t.contiguous().view(torch.uint8).cpu()
-
-
-def randomize(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=gen)
-    t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
-    return t
-
-
-def page_tokens(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-
-
 def snapshot(dev, host) -> list[torch.Tensor]:
     return [bits(t) for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]]
 
@@ -44,3 +34,6 @@ def snapshot(dev, host) -> list[torch.Tensor]:
 def assert_same(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
     for a, b in zip(before, after):
         assert torch.equal(a, b), "a rejected call changed a pool"
+
+
+__all__ = ["DTYPES", "TOKEN_LAYOUTS", "assert_same", "bits", "host_row", "page_tokens", "randomize", "snapshot"]

@@ -1,49 +1,214 @@
-"""The command line: info, check and bench run and say what they should."""
+"""The command line: every command runs and says what it should; expected failures are one line."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from portable_kv import backends
-from portable_kv.cli import main
+from portable_kv.cli import main, parser
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*argv: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -m portable_kv ...` in a fresh process, with extra environment variables."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PORTABLE_KV_")} | env
+    return subprocess.run([sys.executable, "-m", "portable_kv", *argv], capture_output=True, text=True, env=environ, timeout=120)
+
+
+def assert_one_line_failure(run: subprocess.CompletedProcess, *words: str) -> None:
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
 
 
 def test_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "backend" in out and "io backends" in out and "available" in out
+    assert "bound backend" in out and "io backends" in out and "backend cpu     can run here" in out
+    assert "PORTABLE_KV_BLOCKS" in out and "PORTABLE_KV_DEBUG" in out  # the settings table
 
 
-def test_check_passes_every_layout_and_io(capsys):
+@pytest.mark.skipif(backends.unavailable_reason("cuda") is None, reason="cuda can run on this machine: nothing to refuse")
+def test_info_reports_a_forced_backend_that_cannot_run():
+    run = cli("info", PORTABLE_KV_BACKEND="cuda")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    line = next(line for line in run.stdout.splitlines() if line.startswith("backend cuda"))
+    assert backends.unavailable_reason("cuda") in line and "forced by PORTABLE_KV_BACKEND" in line
+    assert "bound backend" in run.stdout and "none: PORTABLE_KV_BACKEND=cuda" in run.stdout
+
+
+@pytest.mark.skipif(backends.unavailable_reason("cuda") is None, reason="cuda can run on this machine: nothing to refuse")
+def test_commands_on_a_forced_backend_that_cannot_run_fail_in_one_line():
+    assert_one_line_failure(cli("bench", "--backends", "cuda", "--quick", PORTABLE_KV_BACKEND="cuda"), "--backends", "cuda")
+    assert_one_line_failure(cli("check", PORTABLE_KV_BACKEND="cuda"), "PORTABLE_KV_BACKEND=cuda", "PORTABLE_KV_DEBUG=1")
+
+
+@pytest.mark.skipif(backends.unavailable_reason("cuda") is None, reason="cuda can run on this machine: nothing to refuse")
+def test_debug_setting_shows_the_traceback():
+    run = cli("check", PORTABLE_KV_BACKEND="cuda", PORTABLE_KV_DEBUG="1")
+    assert run.returncode == 1 and "Traceback" in run.stderr
+
+
+def test_help_and_version_import_no_torch():
+    probe = ("import sys; from portable_kv.cli import main\n"
+             "for argv in (['--version'], ['--help'], ['bench', '--help']):\n"
+             "    try:\n        main(argv)\n    except SystemExit as exit:\n        assert exit.code == 0, argv\n"
+             "assert 'torch' not in sys.modules, 'torch imported'\n")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    from portable_kv import __version__
+
+    assert f"portable-kv {__version__}" in run.stdout
+
+
+def test_every_flag_has_help():
+    def walk(p):
+        for action in p._actions:  # argparse keeps no public list of its arguments
+            if action.option_strings:
+                yield p.prog, action
+            for sub in (action.choices or {}).values() if hasattr(action, "add_parser") else ():
+                yield from walk(sub)
+
+    flags = list(walk(parser()))
+    assert {"--k-dim", "--v-dim", "--layers", "--reps", "--vendor", "--out"} <= {s for _, a in flags for s in a.option_strings}
+    assert not [(prog, a.option_strings) for prog, a in flags if not a.help], "flags without help"
+
+
+@pytest.mark.parametrize("error", [ValueError("layout: expected one of ..., got 'x'"), TypeError("host_indices: expected int64"),
+                                   MemoryError("pinned allocation of 64 GiB"), ImportError("No module named 'cuda'", name="cuda"),
+                                   OSError(13, "Permission denied")])
+def test_expected_failures_are_one_line(monkeypatch, capsys, error):
+    def fail(_):
+        raise error
+
+    monkeypatch.setattr("portable_kv.cli.cmd_info", fail)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("portable-kv info: ") and "PORTABLE_KV_DEBUG=1" in err[0]
+
+
+def test_config_and_backend_errors_say_the_fix(monkeypatch, capsys):
+    from portable_kv.backends import BackendUnavailable
+    from portable_kv.config import ConfigError
+
+    for error, fix in ((ConfigError("PORTABLE_KV_BLOCKS: expected an integer, got 'x'"), "fix or unset the variable"),
+                       (BackendUnavailable("nvcc failed for sm_90: nvcc ...\nline 1\nerror: bad"), "error: bad")):
+        monkeypatch.setattr("portable_kv.cli.cmd_info", lambda _, error=error: (_ for _ in ()).throw(error))
+        assert main(["info"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and fix in err[0], err
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    monkeypatch.setattr("portable_kv.cli.cmd_info", lambda _: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main(["info"])
+
+
+def test_check_passes_every_layout_and_io_and_says_what_ran(capsys):
     assert main(["check"]) == 0
     out = capsys.readouterr().out
-    assert out.count("PASS") == 8 and "8 passed, 0 failed" in out
+    roundtrips = [line for line in out.splitlines() if line.split()[1:2] in (["kernel"], ["direct"])]
+    assert len(roundtrips) == 8 and all(" PASS " in line for line in roundtrips)
+    assert f"on backend {backends.current().name}" in out and " 0 failed" in out
+    if backends.current().device.type == "cpu":
+        assert "GPU kernels and DMA paths were not exercised" in out and "TRITON_INTERPRET=1 portable-kv check" in out
 
 
-def test_bench_writes_table_and_json(tmp_path, capsys):
-    """The CPU-backend run, on any machine (a GPU machine's full bench belongs to scripts/gpu_round.sh)."""
-    path = tmp_path / "bench.json"
+def test_build_writes_to_the_user_cache_by_default(monkeypatch, tmp_path, capsys):
+    import portable_kv.backends.cuda as cuda
+
+    seen = []
+    monkeypatch.setenv("PORTABLE_KV_CACHE", str(tmp_path))
+    monkeypatch.setattr(cuda, "nvcc_build", lambda out, archs: seen.append((out, archs)) or [out / "kv_copy.cubin"])
+    assert main(["build", "--vendor", "cuda", "--arch", "sm_90"]) == 0
+    assert seen == [(tmp_path / "prebuilt", ("sm_90",))] and str(tmp_path / "prebuilt") in capsys.readouterr().out
+
+
+def cpu_bench(*argv: str) -> int:
     before = backends.current().name
-    backends.use("cpu")
     try:
-        assert main(["bench", "--quick", "--page-size", "4", "--pages", "4", "--reps", "2", "--backends", "cpu", "--json", str(path),
-                     "--markdown", str(tmp_path / "bench.md")]) == 0
+        return main(["bench", "--quick", "--page-size", "4", "--pages", "4", "--reps", "2", "--backends", "cpu", *argv])
     finally:
         backends.use(before)
+
+
+def test_bench_cpu_run_is_labelled_for_what_it_is(tmp_path, capsys):
+    """The CPU-backend run, on any machine (a GPU machine's full bench belongs to tools/gpu_round.sh)."""
+    path = tmp_path / "bench.json"
+    assert cpu_bench("--json", str(path), "--markdown", str(tmp_path / "bench.md")) == 0
     out = capsys.readouterr().out
-    assert "say nothing about GPUs" in out and "ceiling" in out
+    assert "say nothing about GPUs" in out and "host memcpy" in out
+    table = out[out.index("section"):]
+    for meaningless in ("pinned", "h2d", "d2h", "%ceil", "H2D"):
+        assert meaningless not in table, meaningless
+    assert "call: load is one per-layer load" in table  # the legend
     data = json.loads(path.read_text())
+    assert set(data["meta"]["ceiling"]) == {"memcpy"} and data["meta"]["ceiling"]["memcpy"] > 0
     names = {row["name"] for row in data["rows"]}
-    assert any("page_first_direct kernel" in n for n in names) and data["meta"]["ceiling"]["h2d"] > 0
-    assert all(row["gbps"] > 0 for row in data["rows"] if row["section"] == "package")
-    table = (tmp_path / "bench.md").read_text()
+    assert any("page_first_direct kernel" in n for n in names)
+    assert all(row["gbps"] > 0 and row["pct_ceiling"] == 0 for row in data["rows"] if row["section"] == "package")
+    summary = (tmp_path / "bench.md").read_text()
     assert main(["bench", "--from-json", str(path), "--markdown", str(tmp_path / "again.md")]) == 0
-    assert (tmp_path / "again.md").read_text() == table  # the same summary from the saved rows
-    assert "CPU backend" in table and "| cpu kernel, page_first_direct | " in table and "| cpu direct, page_first_direct | " in table
+    assert (tmp_path / "again.md").read_text() == summary  # the same summary from the saved rows
+    assert "CPU backend" in summary and "| cpu kernel, page_first_direct | " in summary and "| cpu direct, page_first_direct | " in summary
+    assert "%" not in summary and "H2D" not in summary and "ceiling (one host memcpy of the same bytes)" in summary
+
+
+def test_bench_host_cost_section(capsys):
+    assert cpu_bench("--section", "host-cost") == 0
+    out = capsys.readouterr().out
+    assert "cpu per-layer load, kernel io" in out and "cpu per-layer load, direct io" in out and "yardstick" in out
+
+
+def test_bench_both_ways_section_needs_a_gpu(capsys):
+    assert cpu_bench("--section", "both-ways") == 2
+    err = capsys.readouterr().err
+    assert "--section both-ways" in err and "GPU" in err and "[bench]" not in err
+
+
+def test_bench_refuses_plot_without_matplotlib_before_measuring(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cpu_bench("--plot", str(tmp_path / "bench.png")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--plot needs matplotlib" in err[0]  # one line, and no "[bench]" progress: nothing measured
+
+
+def test_bench_store_without_a_storage_benchmark(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("portable_kv.storage") else real(name, *a))
+    assert main(["bench", "--store", "local"]) == 2
+    assert "--store local" in capsys.readouterr().err
+
+
+def test_bench_rerenders_the_saved_h200_run(tmp_path, capsys):
+    saved = ROOT / "bench_results" / "bench.json"
+    if not saved.exists():
+        pytest.skip("bench_results/bench.json is not in this checkout")
+    assert main(["bench", "--from-json", str(saved), "--markdown", str(tmp_path / "bench.md")]) == 0
+    summary = (tmp_path / "bench.md").read_text()
+    assert summary.startswith("NVIDIA H200; ceiling (one bulk page-locked memcpy): 55.4 H2D, 55.3 D2H, 101.4 both ways at once GB/s.")
+    assert "| cuda kernel, page_first_direct | 50.7 (91%) / 52.1 (94%) |" in summary
+    assert "h2d is one per-layer load" in capsys.readouterr().out  # the GPU legend
 
 
 def test_markdown_summary_of_gpu_sections():
-    from portable_kv.bench import Row, markdown
+    from portable_kv.bench.report import Row, markdown
 
     rows = [
         Row("package", "cuda page_first_direct kernel", "h2d", 64, 50.4, 91.2, 9.8, 16),
@@ -57,22 +222,22 @@ def test_markdown_summary_of_gpu_sections():
         Row("both", "cuda load kernel + backup kernel at once", "both", 64, 61.3, 61.5),
         Row("interference", "cuda kernel load during matmul", "h2d", 64, 32.0, extra={"matmul_slowdown_pct": 4.25}),
     ]
-    text = markdown(rows, {"h2d": 55.3, "d2h": 55.2, "both": 99.7}, "NVIDIA H200")
-    assert "55.3, 55.2, 99.7 GB/s" in text
+    meta = {"gpu": "NVIDIA H200", "device": "cuda:0", "ceiling": {"h2d": 55.3, "d2h": 55.2, "both": 99.7}}
+    text = markdown(rows, meta)
+    assert "55.3 H2D, 55.2 D2H, 99.7 both ways at once GB/s" in text
     assert "| cuda kernel, page_first_direct | 50.4 (91%) / 51.8 (94%) | 50.2 (91%) | 10 |" in text
     assert "page_first kernel" not in text  # the README table is the page_first_direct one
     assert "| peer: per-page copy_ loop | 8.6 (16%) |  | 11500 |" in text
     assert "| 8 blocks | 16 blocks |" in text and "| cuda, page 64 | 41.2 / 52.3 | 50.4 |" in text
     assert "| cuda load kernel + backup kernel at once | 61.3 | 62% |" in text and "| +4.2% |  |" in text
+    tables = text.split("\n\n")
+    assert all(block.startswith("|") is False or next_block[0] != "|" for block, next_block in zip(tables, tables[1:] + ["x"]))
 
 
 def test_every_test_file_is_collected_and_tracked():
     """tests/build/ once held the toolchain tests: pytest's default norecursedirs skips
     'build' and .gitignore dropped it, so CI compiled no kernel until this test existed."""
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     skipped_by_pytest = {"build", "dist", "venv", "node_modules", "CVS", "_darcs"}
     files = sorted(p.relative_to(root) for p in (root / "tests").rglob("test_*.py"))
     assert any(p.parts[1] == "toolchains" for p in files)

@@ -1,0 +1,79 @@
+"""portable-kv bench: how fast this package moves KV pages, against the link's ceiling.
+
+Everything in one run on one machine: the ceiling (bulk page-locked memcpy),
+the peers (what engines do today), and every backend x layout x io backend,
+for a per-layer load and an all-layer backup of the same random pages.
+
+This module holds the flags and the dispatch only, and imports no torch, so
+`portable-kv --help` stays fast: workload.py (what moves), measure.py (timing),
+peers.py (the engines' paths), sections.py (the measurements), run.py (which of
+them a run makes), report.py (table, markdown, plot, JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+DTYPE_NAMES = ("bf16", "fp16", "fp8")
+SECTIONS = {
+    "all": "the ceiling, the peers, every backend x layout x io backend, and on a GPU the setting sweeps, both ways and interference",
+    "host-cost": "host CPU time of one per-layer load per io backend, issued back to back, beside a one-element torch op",
+    "both-ways": "a load and a backup at once, each direction timed over its own span, for bulk copies and the package's paths (GPU)",
+}
+STORES = ("local", "mooncake")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    geometry = p.add_argument_group("what moves (the default is MiMo-V2's K 192 / V 128 on one GPU)")
+    geometry.add_argument("--heads", type=int, default=4, help="KV heads per GPU, K and V (default: %(default)s)")
+    geometry.add_argument("--k-dim", type=int, default=192, help="K head_dim (default: %(default)s)")
+    geometry.add_argument("--v-dim", type=int, default=128, help="V head_dim (default: %(default)s)")
+    geometry.add_argument("--layers", type=int, default=48, help="layers of the pools; --quick uses 8 (default: %(default)s)")
+    geometry.add_argument("--page-size", type=str, default="64,16,1", help="comma-separated page sizes in tokens (default: %(default)s)")
+    geometry.add_argument("--pages", type=int, default=0,
+                          help="pages per call (default: enough for 100 MB per per-layer load on a GPU, 4 MB on the CPU backend)")
+    geometry.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="element type of K and V (default: %(default)s)")
+    how = p.add_argument_group("how")
+    how.add_argument("--section", choices=tuple(SECTIONS), default="all",
+                     help="what to measure: " + "; ".join(f"{k}: {v}" for k, v in SECTIONS.items()) + " (default: %(default)s)")
+    how.add_argument("--backends", type=str, default="",
+                     help="comma-separated backends to measure, e.g. cuda,triton (default: every GPU backend that can run here, else cpu)")
+    how.add_argument("--reps", type=int, default=0, help="timed calls per measurement, median kept (default: 20; 5 with --quick)")
+    how.add_argument("--quick", action="store_true",
+                     help="8 layers, 5 repetitions, a 512 MiB ceiling copy, no peers at page 1: about 4 minutes on an H200 "
+                          "(the full run about 15), about 10 s on the CPU backend")
+    how.add_argument("--store", choices=STORES, default="",
+                     help="benchmark an L3 store (put and get of whole pages through the host pool) instead of the GPU link")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", type=str, default="", metavar="PATH", help="write every number and the run's settings here")
+    out.add_argument("--markdown", type=str, default="", metavar="PATH", help="write the summary tables (as in the README) here")
+    out.add_argument("--plot", type=str, default="", metavar="PATH", help="write a PNG of the bandwidths here (needs matplotlib: the bench extra)")
+    out.add_argument("--from-json", type=str, default="", metavar="PATH",
+                     help="measure nothing: print the table of a saved --json run and write its --markdown / --plot")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ImportError("--plot needs matplotlib: pip install 'portable-kv[bench]' (or leave --plot out)")
+    if args.from_json:
+        from . import report
+
+        rows, meta = report.load_json(args.from_json)
+        report.write(rows, meta, markdown_path=args.markdown, plot_path=args.plot)
+        return 0
+    if args.store:
+        return store_bench(args)
+    from .run import run
+
+    return run(args)
+
+
+def store_bench(args: argparse.Namespace) -> int:
+    """The L3 stores are benchmarked by the storage package itself (it knows their servers and keys)."""
+    if importlib.util.find_spec("portable_kv.storage") is None or importlib.util.find_spec("portable_kv.storage.bench") is None:
+        raise ImportError(f"--store {args.store}: this install has no storage benchmark (portable_kv.storage.bench); "
+                          "update portable-kv, or leave --store out to measure the GPU link")
+    from ..storage import bench as storage_bench
+
+    return storage_bench.run(args)

@@ -25,6 +25,7 @@ import torch
 
 SYSFS = Path("/sys")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+OFF = "off"  # numa_node=OFF: no placement, the kernel's default
 MPOL_PREFERRED = 1
 # Bits of the node masks passed to the kernel: CONFIG_NODES_SHIFT is at most 10,
 # and get_mempolicy refuses a mask shorter than the kernel's node count.
@@ -45,12 +46,15 @@ class Placement:
     reason: str
 
 
-def placement(device: torch.device, numa_node: int | None = None, sysfs: Path = SYSFS) -> Placement:
+def placement(device: torch.device, numa_node: int | str | None = None, sysfs: Path = SYSFS) -> Placement:
     """The NUMA node for host memory that `device` moves data to and from.
 
-    An explicit `numa_node` wins (it must be a node of this machine); a CPU device
-    or a single-node machine needs none; otherwise the GPU's PCI address is looked
-    up in `sysfs` (a parameter so that tests can build a topology)."""
+    An explicit `numa_node` wins (it must be a node of this machine, or "off" for
+    the kernel's default placement); a CPU device or a single-node machine needs
+    none; otherwise the GPU's PCI address is looked up in `sysfs` (a parameter so
+    that tests can build a topology)."""
+    if numa_node == OFF:
+        return Placement(None, "numa_node='off': default placement")
     nodes = numa_nodes(sysfs)
     if numa_node is not None:
         return Placement(check_node(numa_node, nodes), f"explicit numa_node={numa_node}")
@@ -79,7 +83,7 @@ def numa_nodes(sysfs: Path = SYSFS) -> list[int]:
 def check_node(numa_node: object, nodes: list[int]) -> int:
     """`numa_node` if it is one of `nodes`, else ValueError naming it."""
     if isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node not in nodes:
-        raise ValueError(f"numa_node: expected one of this machine's NUMA nodes {nodes} (or None to follow the GPU), got {numa_node!r}")
+        raise ValueError(f"numa_node: expected one of this machine's NUMA nodes {nodes} (None to follow the GPU, or 'off'), got {numa_node!r}")
     return numa_node
 
 

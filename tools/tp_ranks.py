@@ -178,12 +178,13 @@ class RankRun:
         self.backend = backends.use(options["backend"]) if options["backend"] else backends.current()
         self.device = self.backend.device
         self.batch_tokens = options["batch_pages"] * PAGE_SIZE
-        self.placement = numa.placement(self.device) if options["numa"] == "local" else numa.Placement(None, "--numa off: default placement")
         self.dev = pk.DeviceKVPool(LAYERS, options["device_tokens"], PAGE_SIZE, K_HEADS, K_DIM, V_DIM, V_HEADS, dtype=DTYPE, device=self.device)
-        # A fresh block for each host buffer: a cached one may sit on any node.
+        # A fresh block for each pinned buffer: a cached one may sit on any node.
         numa.release_cached_host_memory()
+        self.host = pk.AsymmetricHostPool(self.dev, host_to_device_ratio=options["host_ratio"], layout="page_first_direct", io_backend=options["io"],
+                                          numa_node=None if options["numa"] == "local" else numa.OFF)
+        self.placement = self.host.placement
         with numa.bind_allocations(self.placement.node):
-            self.host = pk.AsymmetricHostPool(self.dev, host_to_device_ratio=options["host_ratio"], layout="page_first_direct", io_backend=options["io"])
             self.bulk_host = torch.empty(CEILING_BYTES, dtype=torch.uint8, pin_memory=True)
         self.bulk_device = torch.empty(CEILING_BYTES, dtype=torch.uint8, device=self.device)
         self.host_indices = torch.arange(self.batch_tokens, dtype=torch.int64)

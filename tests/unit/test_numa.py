@@ -69,7 +69,12 @@ def test_explicit_node_overrides_detection(tmp_path, gpu_at_pci):
     assert numa.placement(torch.device("cpu"), numa_node=1, sysfs=sysfs) == numa.Placement(1, "explicit numa_node=1")
 
 
-@pytest.mark.parametrize("bad", [2, -1, "1", 1.0, True])
+def test_off_leaves_placement_to_the_kernel(tmp_path, gpu_at_pci):
+    sysfs = fake_sysfs(tmp_path, nodes=2, gpu_node="1")
+    assert numa.placement(GPU, numa_node="off", sysfs=sysfs) == numa.Placement(None, "numa_node='off': default placement")
+
+
+@pytest.mark.parametrize("bad", [2, -1, "1", "on", 1.0, True])
 def test_explicit_node_must_exist(tmp_path, gpu_at_pci, bad):
     sysfs = fake_sysfs(tmp_path, nodes=2, gpu_node="1")
     with pytest.raises(ValueError, match=r"numa_node: expected one of this machine's NUMA nodes \[0, 1\]"):

@@ -22,13 +22,13 @@ export PIP_NO_INDEX=1 PIP_FIND_LINKS=$ROOT/.whl
 # tox in a folder of its own, so its newer packaging and filelock never shadow the host's.
 TOX_SITE=/tmp/pkv-tox
 if compgen -G ".whl/tox-*.whl" >/dev/null; then
-  python3 -m pip install -q --no-compile --upgrade --target "$TOX_SITE" tox 2>&1 | grep -v "^WARNING: Running pip as" | tee -a "$LOG"
+  python3 -m pip install -q --no-compile --no-warn-conflicts --upgrade --target "$TOX_SITE" tox 2>&1 | grep -v "^WARNING: Running pip as" | tee -a "$LOG"
 fi
 # Where python3 is itself a virtual environment, a tox environment made from it inherits
 # only the base interpreter's packages: hand it this environment's (tox.ini, HOST_SITE_PACKAGES).
 HOST_SITE_PACKAGES=$(python3 -c 'import site, sys; print(":".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')
 if compgen -G ".whl/extra/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-deps --no-compile --upgrade --target /tmp/pkv-extra .whl/extra/*.whl 2>&1 | grep -v "^WARNING: Running pip as" | tee -a "$LOG"
+  python3 -m pip install -q --no-deps --no-compile --no-warn-conflicts --upgrade --target /tmp/pkv-extra .whl/extra/*.whl 2>&1 | grep -v "^WARNING: Running pip as" | tee -a "$LOG"
   HOST_SITE_PACKAGES=/tmp/pkv-extra${HOST_SITE_PACKAGES:+:$HOST_SITE_PACKAGES}
 fi
 export HOST_SITE_PACKAGES
@@ -56,7 +56,7 @@ if command -v compute-sanitizer >/dev/null && [ -z "${SKIP_SANITIZER:-}" ]; then
   grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.txt" | tee -a "$LOG"
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  step host_cost; timeout 60 python3 scripts/host_cost.py 2>&1 | head -n 7 | tee -a "$LOG"
+  step host_cost; timeout 120 python3 -m portable_kv bench --section host-cost 2>&1 | tee -a "$LOG"
   step bench; timeout "${BENCH_TIMEOUT:-420}" python3 -m portable_kv bench $BENCH --json "$OUT/bench.json" --plot "$OUT/bench.png" \
     --markdown "$OUT/bench.md" > "$OUT/bench.txt" 2>&1
   tail -n 40 "$OUT/bench.txt" | tee -a "$LOG"

@@ -1,0 +1,91 @@
+"""SGLang's HiCacheController (write -> load, layer by layer -> evict_host) on a portable_kv pool built by SGLang's own builder."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import LAYERS, PAGE, device_pool
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
+
+import portable_kv.sglang as pk_sglang
+
+# What the controller accepts (its move_indices): kernel io with any layout,
+# direct io with layer_first and page_first_direct.
+CASES = [("kernel", layout) for layout in ("layer_first", "page_first", "page_first_direct", "page_head")] + [
+    ("direct", "layer_first"),
+    ("direct", "page_first_direct"),
+]
+GEOMETRIES = {"asymmetric": (24, 16), "symmetric": (16, 16)}
+
+
+def wait(ack):
+    ack.finish_event.synchronize()
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize(("io", "layout"), CASES)
+def test_write_load_evict(topology, installed, io, layout, geometry):
+    topology(hicache_ratio=2.0, hicache_mem_layout=layout, hicache_io_backend=io)
+    dev, allocator = device_pool(*GEOMETRIES[geometry])
+    host = build_kv_host_pool(kv_pool=dev, page_size=PAGE)
+    assert isinstance(host, pk_sglang.SGLangHostPool)
+    assert host.layout == layout and host.size == (2 * dev.size // PAGE + 1) * PAGE  # SGLang's sizing
+    controller = HiCacheController(allocator, host, PAGE, tp_group=None, load_cache_event=threading.Event(), io_backend=io, write_policy="write_through")
+
+    written = allocator.alloc(5 * PAGE)
+    originals = [(k[written].clone(), v[written].clone()) for k, v in zip(dev.k_buffer, dev.v_buffer)]
+    free_before = host.available_size()
+    host_indices = controller.write(written)
+    assert host_indices is not None and host.available_size() == free_before - 5 * PAGE
+    wait(controller.ack_write_queue.pop())
+
+    loaded = controller.load(host_indices)
+    assert loaded is not None and not bool(torch.isin(loaded, written).any())
+    controller.start_loading()
+    wait(controller.ack_load_queue.pop())
+    for layer, (k, v) in enumerate(originals):
+        assert torch.equal(dev.k_buffer[layer][loaded].view(torch.int16), k.view(torch.int16)), f"K layer {layer}"
+        assert torch.equal(dev.v_buffer[layer][loaded].view(torch.int16), v.view(torch.int16)), f"V layer {layer}"
+
+    assert controller.evict_host(host_indices) == 5 * PAGE
+    assert host.available_size() == free_before
+    with pytest.raises(ValueError, match="not allocated"):
+        controller.evict_host(host_indices)
+    host.destroy()
+
+
+def test_load_goes_layer_by_layer(topology, installed):
+    """SGLang's transfer engine loads one layer at a time through the physical entry point, in order."""
+    topology(hicache_ratio=2.0, hicache_mem_layout="page_first", hicache_io_backend="kernel")
+    dev, allocator = device_pool(24, 16)
+    host = build_kv_host_pool(kv_pool=dev, page_size=PAGE)
+    controller = HiCacheController(allocator, host, PAGE, tp_group=None, load_cache_event=threading.Event(), io_backend="kernel", write_policy="write_through")
+    written = allocator.alloc(2 * PAGE)
+    host_indices = controller.write(written)
+    wait(controller.ack_write_queue.pop())
+    loaded = controller.load(host_indices)
+    calls = []
+    physical = host.load_to_device_per_layer_physical
+
+    def recorded(device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs):
+        calls.append((layer_id, io_backend, kwargs))
+        physical(device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
+
+    host.load_to_device_per_layer_physical = recorded
+    controller.start_loading()
+    wait(controller.ack_load_queue.pop())
+    assert calls == [(layer, "kernel", {"is_draft": False}) for layer in range(LAYERS)]
+    assert all(torch.equal(k[loaded].view(torch.int16), k[written].view(torch.int16)) for k in dev.k_buffer)
+    host.destroy()
+
+
+def test_mla_keeps_sglangs_pool(installed):
+    class MLABufferInfo:  # the name SGLang's MLA device pools describe themselves by
+        pass
+
+    assert "MLA" in pk_sglang.unsupported_reason(MLABufferInfo())
+    with pytest.raises(NotImplementedError, match="MLA"):
+        pk_sglang.SGLangHostPool(MLABufferInfo(), 2.0, 0, PAGE, "page_first", device_capacity_tokens=64)

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's own HiCache code on portable_kv pools, on the CPU (`tox -e sglang`).
 
-Skipped where sglang is not importable (the plain test run).  The runtime
+Each module skips itself where sglang is not importable (the plain test run).  The runtime
 context is published as SGLang's own tests do (`published_topology` in
 sglang/test/test_utils.py): a ServerArgs for a dummy model, rank zero.
 """
@@ -10,14 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("sglang.srt.managers.cache_controller", reason="sglang is not installed: `tox -e sglang` runs these tests")
+import portable_kv.sglang as pk_sglang
 
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.runtime_context import SpawnRanks, publish, reset_context  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
-
-import portable_kv.sglang as pk_sglang  # noqa: E402
+SKIP_REASON = "sglang is not installed: `tox -e sglang` runs these tests"
 
 PAGE = 4
 LAYERS = 3
@@ -29,6 +24,8 @@ DTYPE = torch.bfloat16
 @pytest.fixture
 def topology(request):
     """Publish SGLang's runtime context for one rank, with the host-pool settings a test asks for."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
 
     def publish_args(**fields):
         reset_context()
@@ -47,8 +44,11 @@ def installed():
     pk_sglang.uninstall()
 
 
-def device_pool(k_dim: int, v_dim: int) -> tuple[MHATokenToKVPool, PagedTokenToKVPoolAllocator]:
+def device_pool(k_dim: int, v_dim: int):
     """SGLang's device KV pool and its paged allocator, on the CPU, filled with random bits."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
     pool = MHATokenToKVPool(DEVICE_TOKENS, PAGE, DTYPE, HEADS, k_dim, LAYERS, "cpu", False, v_head_dim=v_dim, start_layer=0, end_layer=LAYERS)
     generator = torch.Generator().manual_seed(7)
     for buffer in [*pool.k_buffer, *pool.v_buffer]:

@@ -7,11 +7,13 @@ import threading
 
 import pytest
 import torch
-from conftest import PAGE, device_pool
-from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
-from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost
+from conftest import PAGE, SKIP_REASON, device_pool
 
-from portable_kv.sglang import SGLangHostPool
+pytest.importorskip("sglang.srt.managers.cache_controller", reason=SKIP_REASON)
+from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost  # noqa: E402
+
+from portable_kv.sglang import SGLangHostPool  # noqa: E402
 
 SYMMETRIC_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 ASYMMETRIC_LAYOUTS = ("page_first", "page_first_direct")  # all SGLang's asymmetric pool has

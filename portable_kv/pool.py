@@ -1,42 +1,49 @@
-"""DeviceKVPool and AsymmetricHostPool (API.md): allocation, validation, dispatch.
+"""AsymmetricHostPool (docs/API.md): a host pool's construction, checks and transfers.
 
-Every public transfer validates all of its input before a byte moves, then
-hands one `Transfer` to the bound backend.  Validation results are cached
-for the index tensors an engine passes to every per-layer call, so a model's
-48 per-layer loads validate their indices once.
+A transfer call checks everything before a byte moves (the device pool's
+geometry, the layer, the indices: validation.py), then hands one `Transfer`
+to the pool's mover for that io path, resolved once per pool from the bound
+backend.  The memory lives in host_memory.py; page access for storage tiers
+in pages.py; the SGLang host-pool surface in sglang_surface.py.
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import operator
-import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from . import backends
 from .backends.base import IO_BACKENDS, Backend
+from typing import Any as Mover
 from .device_pool import DeviceGeometry, DeviceKVPool, device_geometry, positive_int
-from .layout import LAYOUTS, PAGE_LAYOUTS, check_layout, host_shape
+from .host_memory import HOST_MEMORY, HostMemory, check_available, itemsize
+from .layout import LAYOUTS, check_layout, host_shape
+from .numa import Placement, placement
 from .pages import PageAccess
-from .plan import IndexPair, TensorPair, Transfer, tensor_pair
+from .plan import TensorPair, Transfer, tensor_pair
 from .sglang_surface import SGLangSurface
+from .validation import IndexValidator
 
-INDEX_DTYPES = (torch.int64, torch.int32)
-HOST_MEMORY = ("pinned", "registered")
-VALIDATED_KEPT = 4  # index pairs whose validation is remembered
 # Registered host memory is split into pieces of whole pages: a page-major layout
 # keeps every copy inside one page, so inside one registration.
 REGISTERED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
-REGISTRATION_BYTES = 1 << 30
+
+
+class Binding(NamedTuple):
+    """The device pool an engine passes every call, checked once, with the K and V tensor pairs."""
+
+    device_pool: Any
+    geometry: DeviceGeometry
+    pairs: tuple[TensorPair, TensorPair]
 
 
 class AsymmetricHostPool(PageAccess, SGLangSurface):
-    """The host tier: K and V pages in (page-locked) host memory, in one of four layouts."""
+    """The host tier: K and V pages in page-locked host memory, in one of four layouts."""
 
     def __init__(
         self,
@@ -44,10 +51,11 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         host_to_device_ratio: float = 2.0,
         host_size_gb: float = 0,
         layout: str = "page_first_direct",
-        io_backend: str = "direct",
+        io_backend: str = "kernel",
         pin_memory: bool = True,
         validate: bool = True,
         host_memory: str = "pinned",
+        numa_node: int | str | None = None,
     ) -> None:
         self.backend: Backend = backends.current()
         self.layout = check_layout(layout)
@@ -56,47 +64,41 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._geometry = geometry
         self.page_size = positive_int("device_pool.page_size", getattr(device_pool, "page_size", 0))
         self.layer_num, self.dtype = geometry.layers, geometry.dtype
-        self.validate = validate
-        token_bytes = self.layer_num * (geometry.k_heads * geometry.k_dim + geometry.v_heads * geometry.v_dim) * _itemsize(self.dtype)
-        if host_size_gb and host_size_gb > 0:
-            tokens = int(host_size_gb * 1e9 // token_bytes)
-        else:
-            if not host_to_device_ratio or host_to_device_ratio <= 0:
-                raise ValueError(f"host_to_device_ratio: expected > 0 (or host_size_gb > 0), got {host_to_device_ratio}")
-            tokens = int(math.ceil(host_to_device_ratio * geometry.tokens))
+        _check_dtype(self.backend, self.dtype)
+        self.validate = bool(validate)
+        token_bytes = self.layer_num * (geometry.k_heads * geometry.k_dim + geometry.v_heads * geometry.v_dim) * itemsize(self.dtype)
+        tokens = _host_tokens(host_to_device_ratio, host_size_gb, geometry.tokens, token_bytes)
         self.page_num = max(1, -(-tokens // self.page_size))
         self.size = self.page_num * self.page_size
         self.pin_memory = bool(pin_memory) and self.backend.pins_memory
         if self.io_backend == "kernel" and self.backend.device.type != "cpu" and not self.pin_memory:
             raise ValueError("io_backend='kernel': GPU threads read host memory directly, which needs pin_memory=True")
         self.host_memory = self._check_host_memory_kind(host_memory)
-        _check_host_memory(self.size * token_bytes)
-        shape_k = host_shape(layout, self.layer_num, self.page_num, self.page_size, geometry.k_heads, geometry.k_dim)
-        shape_v = host_shape(layout, self.layer_num, self.page_num, self.page_size, geometry.v_heads, geometry.v_dim)
-        self._registrations: list[int] = []
-        self._registration_tokens = 0
-        if self.host_memory == "registered":
-            self.k_buffer, self.v_buffer = self._allocate_registered(shape_k), self._allocate_registered(shape_v)
-        else:
-            self.k_buffer = self._allocate(shape_k)
-            self.v_buffer = self._allocate(shape_v)
+        check_available(self.size * token_bytes)
+        self.placement: Placement = placement(self.backend.device, numa_node)
+        shapes = tuple(host_shape(layout, self.layer_num, self.page_num, self.page_size, heads, dim)
+                       for heads, dim in ((geometry.k_heads, geometry.k_dim), (geometry.v_heads, geometry.v_dim)))
+        self._memory = HostMemory(self.backend, self.host_memory, shapes, self.dtype, self.page_num, self.page_size,
+                                  self.pin_memory, self.placement.node)
+        if self._memory.device_addresses_differ and self.io_backend == "kernel":
+            self._memory.release()
+            raise ValueError("host_memory='registered': this GPU maps registered memory at another address; use io_backend='direct'")
+        self.k_buffer, self.v_buffer = self._memory.k, self._memory.v
         self.closed = False
-        # The last few validated index pairs: an engine interleaves per-layer loads of
-        # one set of pages with backups of another, each set reused call after call.
-        self._validated: list[tuple] = []
-        self._bound: tuple | None = None
+        self._validator = IndexValidator(self.size, self.page_size, self.layout, self.validate)
+        self._binding: Binding | None = None
+        self._movers: dict[str, Mover] = {}
+        self._mover(self.io_backend)
+        init_allocator = getattr(self, "_init_allocator", None)
+        if init_allocator is not None:
+            init_allocator()
 
-    # -- allocation -----------------------------------------------------------------
-
-    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
-        try:
-            return self.backend.allocate_host(shape, self.dtype, self.pin_memory)
-        except RuntimeError as exc:
-            nbytes = math.prod(shape) * _itemsize(self.dtype)
-            raise MemoryError(
-                f"host pool: page-locking {nbytes / 1e9:.2f} GB was refused ({exc}); lower host_size_gb or "
-                "host_to_device_ratio, raise the locked-memory limit (ulimit -l), or pass pin_memory=False with io_backend='direct'"
-            ) from exc
+    def _check_io(self, io_backend: str) -> str:
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend: expected one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
+        if io_backend not in self.backend.io_backends:
+            raise ValueError(f"io_backend: backend {self.backend.name!r} offers {', '.join(self.backend.io_backends)}, got {io_backend!r}")
+        return io_backend
 
     def _check_host_memory_kind(self, host_memory: str) -> str:
         if host_memory not in HOST_MEMORY:
@@ -108,63 +110,51 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
                 raise ValueError(f"host_memory='registered' with backend {self.backend.name!r}: use io_backend='direct' (its kernels need page-locked allocations)")
         return host_memory
 
-    def _allocate_registered(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Anonymous mmap, page-locked in pieces of whole KV pages, so that no copy spans two
-        registrations (one huge registration can take minutes or fail on large pools)."""
-        nbytes = math.prod(shape) * _itemsize(self.dtype)
-        page_bytes = nbytes // self.page_num
-        pages_per_piece = max(1, REGISTRATION_BYTES // page_bytes)
-        memory = mmap.mmap(-1, nbytes)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            # 2 MiB pages keep the page tables of a very large pool small; on the
-            # H200 they did not change bandwidth (NOTES.md, v3).
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        buffer = torch.frombuffer(memory, dtype=torch.uint8).view(self.dtype).view(shape)
-        base = buffer.data_ptr()
-        for offset in range(0, nbytes, pages_per_piece * page_bytes):
-            size = min(pages_per_piece * page_bytes, nbytes - offset)
-            try:
-                device_address = self.backend.register_host(base + offset, size)
-            except RuntimeError as exc:
-                self._unregister()
-                raise MemoryError(f"host pool: registering {size / 1e9:.2f} GB at offset {offset} was refused ({exc}); raise the locked-memory limit (ulimit -l) or use host_memory='pinned'") from exc
-            self._registrations.append(base + offset)
-            if device_address != base + offset and self.io_backend == "kernel":
-                self._unregister()
-                raise ValueError("host_memory='registered': this GPU maps registered memory at another address; use io_backend='direct'")
-        self._registration_tokens = pages_per_piece * self.page_size
-        return buffer
+    def _mover(self, io: str) -> Mover:
+        """This pool's mover for an io path: made once, owning the pool's launch caches."""
+        mover = self._movers.get(io)
+        if mover is None:
+            mover = self._movers[io] = self.backend.mover(io) if hasattr(self.backend, "mover") else _TransferShim(self.backend, io)
+        return mover
 
-    def _unregister(self) -> None:
-        for address in self._registrations:
-            self.backend.unregister_host(address)
-        self._registrations = []
+    # -- transfers (docs/API.md) ---------------------------------------------------------
 
-    # -- transfers (API.md) ------------------------------------------------------------
+    def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
+                                 io_backend: str | None = None, is_draft: bool = False) -> None:
+        """H2D, one layer: K and V of token `host_indices[i]` to slot `device_indices[i]` of layer `layer_id`.
 
-    def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, io_backend: str | None = None) -> None:
+        Asynchronous on the current stream.  `is_draft` is SGLang's flag for a
+        speculative draft model's layers; a host pool holds one model, so it
+        changes nothing here.
+        """
         self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), True, io_backend)
 
     def load_to_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
+        """H2D, every layer, in one call (one kernel launch on `kernel` io)."""
         self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), True, io_backend)
 
-    def backup_from_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int, io_backend: str | None = None) -> None:
+    def backup_from_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
+                                     io_backend: str | None = None) -> None:
+        """D2H, one layer: slot `device_indices[i]` of layer `layer_id` to host token `host_indices[i]`."""
         self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), False, io_backend)
 
     def backup_from_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
+        """D2H, every layer, in one call."""
         self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), False, io_backend)
 
     def _transfer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: range, to_device: bool, io_backend: str | None) -> None:
         if self.closed:
             raise ValueError("host pool: the pool is closed")
-        io = self.io_backend if io_backend is None else self._check_io(io_backend)
-        geometry, pairs = self._bind(device_pool, layers)
-        indices = self._indices(host_indices, device_indices, geometry.tokens, to_device)
+        mover = self._movers.get(self.io_backend if io_backend is None else io_backend)
+        if mover is None:
+            mover = self._mover(self._check_io(io_backend))
+        binding = self._bind(device_pool, layers)
+        indices = self._validator(host_indices, device_indices, binding.geometry.tokens, to_device)
         if indices.tokens:
-            self.backend.transfer(Transfer(to_device, pairs, indices, layers, self.page_size), io)
+            mover.move(Transfer(to_device, binding.pairs, indices, layers, self.page_size))
 
-    def _bind(self, device_pool: Any, layers: range) -> tuple[DeviceGeometry, tuple[TensorPair, TensorPair]]:
-        """The device pool's checked geometry and the K/V tensor pairs, kept for the pool an engine passes every call.
+    def _bind(self, device_pool: Any, layers: range) -> Binding:
+        """The device pool's checked geometry and K/V tensor pairs, kept for the pool an engine passes every call.
 
         The check is by identity of the per-layer tensors that the call moves:
         an engine that swaps a buffer gets it (and the whole pool) checked again
@@ -172,38 +162,32 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         all of them: it is on the per-call host-time budget.
         """
         k, v = getattr(device_pool, "k_buffer", None), getattr(device_pool, "v_buffer", None)
-        bound = self._bound
+        bound = self._binding
         if bound is not None:
-            bk, bv = bound[2][0].device, bound[2][1].device
-            if bound[0] is device_pool and type(k) is list and type(v) is list and len(k) == len(bk) and len(v) == len(bv):
+            bk, bv = bound.pairs[0].device, bound.pairs[1].device
+            if bound.device_pool is device_pool and type(k) is list and type(v) is list and len(k) == len(bk) and len(v) == len(bv):
                 if len(layers) == 1:
                     if k[layers.start] is bk[layers.start] and v[layers.start] is bv[layers.start]:
-                        return bound[1], bound[2]
+                        return bound
                 elif all(map(operator.is_, k[layers.start:layers.stop], bk[layers.start:layers.stop])) and \
                         all(map(operator.is_, v[layers.start:layers.stop], bv[layers.start:layers.stop])):
-                    return bound[1], bound[2]
+                    return bound
             elif _same_tensors(k, bk) and _same_tensors(v, bv):
-                return bound[1], bound[2]
+                return bound
         geometry = self._check_device_pool(device_pool)
+        tokens = self._memory.registration_tokens
         pairs = (
-            tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size, self._registration_tokens),
-            tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size, self._registration_tokens),
+            tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size, tokens),
+            tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size, tokens),
         )
-        self._bound = (device_pool, geometry, pairs)
-        return geometry, pairs
+        self._binding = Binding(device_pool, geometry, pairs)
+        return self._binding
 
-    # -- validation --------------------------------------------------------------------
+    # -- checks ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self.closed:
             raise ValueError("host pool: the pool is closed")
-
-    def _check_io(self, io_backend: str) -> str:
-        if io_backend not in IO_BACKENDS:
-            raise ValueError(f"io_backend: expected one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
-        if io_backend not in self.backend.io_backends:
-            raise ValueError(f"io_backend: backend {self.backend.name!r} offers {', '.join(self.backend.io_backends)}, got {io_backend!r}")
-        return io_backend
 
     def _layer(self, layer_id: int) -> range:
         if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)):
@@ -226,43 +210,26 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
             raise ValueError(f"device_pool: expected buffers on {self.backend.device.type} (backend {self.backend.name!r}), got {g.device}")
         return g
 
-    def _indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor, device_tokens: int, to_device: bool) -> IndexPair:
-        for cached in self._validated:
-            if host_indices is cached[0] and device_indices is cached[1] and \
-                    cached[2] == (host_indices._version, device_indices._version, device_tokens, to_device):
-                return cached[3]  # the same, unchanged index tensors as an earlier call
-        host = _index_tensor("host_indices", host_indices)
-        dev = _index_tensor("device_indices", device_indices)
-        if host.numel() != dev.numel():
-            raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
-        key = (host._version, dev._version, device_tokens, to_device)
-        if host.device != dev.device:
-            dev = dev.to(host.device)
-        pair = IndexPair(host.long(), dev.long())
-        if self.validate:
-            host_np, dev_np = pair.numpy()  # GPU-resident indices: one copy, which synchronises
-            _check_range("host_indices", host_np, self.size)
-            _check_range("device_indices", dev_np, device_tokens)
-            if self.layout in PAGE_LAYOUTS:
-                _check_whole_pages("host_indices", host_np, self.page_size, self.layout)
-                _check_whole_pages("device_indices", dev_np, self.page_size, self.layout)
-            # Two writes to one slot would race on a GPU: the result would depend on timing.
-            _check_unique("device_indices" if to_device else "host_indices", dev_np if to_device else host_np)
-        # The caller's tensors, before any conversion, are the key.
-        self._validated = [(host_indices, device_indices, key, pair)] + self._validated[:VALIDATED_KEPT - 1]
-        return pair
-
-    # -- lifetime ----------------------------------------------------------------------
+    # -- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the host memory, after every transfer already enqueued has finished."""
+        """Release the host memory, after every transfer already enqueued has finished.
+
+        Registered memory is unregistered now; page-locked memory is freed when
+        the last tensor viewing it goes (a caller still holding `k_buffer` keeps
+        it).  A pool dropped without `close()` cleans up the same way.
+        """
         if self.closed:
             return
         self.backend.synchronize()
-        self._unregister()
+        for mover in self._movers.values():
+            mover.close()
+        self._movers.clear()
+        self._memory.release()
         self.closed = True
         self.k_buffer = self.v_buffer = None
-        self._validated, self._bound = [], None
+        self._validator.clear()
+        self._binding = None
 
     def __enter__(self) -> AsymmetricHostPool:
         return self
@@ -277,7 +244,15 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         )
 
 
-# -- helpers -------------------------------------------------------------------------
+class _TransferShim:
+    def __init__(self, backend, io):
+        self.backend, self.io = backend, io
+
+    def move(self, transfer):
+        self.backend.transfer(transfer, self.io)
+
+    def close(self):
+        pass
 
 
 def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
@@ -285,69 +260,29 @@ def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
     return (type(given) in (list, tuple) or isinstance(given, Sequence)) and len(given) == len(bound) and all(map(operator.is_, given, bound))
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _check_dtype(backend: Backend, dtype: torch.dtype) -> None:
+    if dtype.is_complex or itemsize(dtype) not in (1, 2, 4, 8):
+        raise TypeError(f"dtype: expected a real dtype of 1, 2, 4 or 8 bytes (the copies move whole elements), got {dtype}")
+    check = getattr(backend, "check_dtype", None)
+    if check is not None:
+        check(dtype)
 
 
-def _index_tensor(name: str, value: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a 1-D torch.Tensor of int64 or int32, got {type(value).__name__}")
-    if value.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{name}: expected dtype int64 or int32, got {value.dtype}")
-    if value.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(value.shape)}")
-    return value
+def _host_tokens(ratio: Any, host_size_gb: Any, device_tokens: int, token_bytes: int) -> int:
+    """Host tokens from host_size_gb when it is > 0, else from the ratio to the device pool."""
+    for name, value in (("host_to_device_ratio", ratio), ("host_size_gb", host_size_gb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+            raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    if host_size_gb < 0:
+        raise ValueError(f"host_size_gb: expected >= 0 (0: size from host_to_device_ratio), got {host_size_gb}")
+    if host_size_gb > 0:
+        tokens = int(host_size_gb * 1e9 // token_bytes)
+        if tokens < 1:
+            raise ValueError(f"host_size_gb: {host_size_gb} GB holds no token of {token_bytes} bytes (K+V, all layers)")
+        return tokens
+    if ratio <= 0:
+        raise ValueError(f"host_to_device_ratio: expected > 0 (or host_size_gb > 0), got {ratio}")
+    return int(math.ceil(ratio * device_tokens))
 
 
-def _check_range(name: str, values: np.ndarray, limit: int) -> None:
-    if values.size == 0:
-        return
-    low, high = int(values.min()), int(values.max())
-    if low < 0:
-        raise ValueError(f"{name}: expected indices >= 0, got {low}")
-    if high >= limit:
-        raise ValueError(f"{name}: expected indices < {limit} (the pool's tokens), got {high}")
-
-
-def _check_whole_pages(name: str, values: np.ndarray, page_size: int, layout: str) -> None:
-    if values.size % page_size:
-        raise ValueError(f"{name}: layout {layout!r} moves whole pages: expected a length divisible by page_size={page_size}, got {values.size}")
-    pages = values.reshape(-1, page_size)
-    if (pages[:, 0] % page_size).any():
-        bad = int(pages[(pages[:, 0] % page_size) != 0][0, 0])
-        raise ValueError(f"{name}: layout {layout!r} moves whole pages: each run of {page_size} must start at a multiple of {page_size}, got {bad}")
-    if page_size > 1 and (np.diff(pages, axis=1) != 1).any():
-        row = int(np.flatnonzero((np.diff(pages, axis=1) != 1).any(axis=1))[0])
-        raise ValueError(f"{name}: layout {layout!r} moves whole pages: run {row} is not {page_size} consecutive tokens")
-
-
-def _check_unique(name: str, values: np.ndarray) -> None:
-    if np.unique(values).size != values.size:
-        raise ValueError(f"{name}: expected distinct destination slots, got duplicates (two writes to one slot race)")
-
-
-HOST_MEMORY_RESERVE = 2 << 30  # left to the OS and the engine, as engines do before pinning
-
-
-def _check_host_memory(nbytes: int) -> None:
-    available = _available_host_memory()
-    reserve = int(os.environ.get("PORTABLE_KV_HOST_RESERVE", HOST_MEMORY_RESERVE))
-    if available is not None and nbytes > available - reserve:
-        raise MemoryError(
-            f"host pool: {nbytes / 1e9:.2f} GB requested but {available / 1e9:.2f} GB available "
-            f"with {reserve / 1e9:.2f} GB kept in reserve; lower host_size_gb or host_to_device_ratio"
-        )
-
-
-def _available_host_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-__all__ = ["AsymmetricHostPool", "DeviceKVPool", "LAYOUTS"]
+__all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool"]

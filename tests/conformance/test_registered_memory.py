@@ -3,12 +3,14 @@ no DMA copy may span two pieces, and transfers stay byte-exact."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from kvspec import bits, page_tokens, randomize
 
 import portable_kv as pk
-from portable_kv import pool as pool_module
+from portable_kv import host_memory
 from portable_kv.plan import Transfer, copy_batch
 
 
@@ -27,7 +29,7 @@ def recorded(monkeypatch, backend):
 
     monkeypatch.setattr(backend, "register_host", recording_register)
     monkeypatch.setattr(backend, "unregister_host", recording_unregister)
-    monkeypatch.setattr(pool_module, "REGISTRATION_BYTES", 3 * 4 * 2 * 24 * 2 * 4)  # three pages of K
+    monkeypatch.setattr(host_memory, "REGISTRATION_BYTES", 3 * 4 * 2 * 24 * 2 * 4)  # three pages of K
     return calls
 
 
@@ -49,8 +51,8 @@ def test_registered_pool_roundtrip_and_pieces(backend, recorded, layout, io, gen
     dev_idx = page_tokens(torch.randperm(16, generator=gen)[:10], 4)
     dev_idx = dev_idx.to(dev.device)
     host.backup_from_device_all_layer(dev, host_idx, dev_idx)
-    geometry, pairs = host._bind(dev, range(host.layer_num))
-    batch = copy_batch(Transfer(False, pairs, host._indices(host_idx.clone(), dev_idx.clone(), dev.size, False), range(2), 4))
+    pairs = host._bind(dev, range(host.layer_num)).pairs
+    batch = copy_batch(Transfer(False, pairs, host._validator(host_idx.clone(), dev_idx.clone(), dev.size, False), range(2), 4))
     ranges = sorted(recorded["register"])
     for dst, size in zip(batch.dst.tolist(), batch.sizes.tolist()):
         assert any(a <= dst and dst + size <= a + n for a, n in ranges), "a copy spans two registrations"
@@ -74,3 +76,18 @@ def test_registered_needs_a_page_major_layout(backend):
     if not backend.kernel_reads_registered_memory and "kernel" in backend.io_backends:
         with pytest.raises(ValueError, match="host_memory='registered' with backend.*use io_backend='direct'"):
             pk.AsymmetricHostPool(dev, layout="page_first", io_backend="kernel", host_memory="registered")
+
+
+@pytest.mark.parametrize("io", ["direct", "kernel"])
+def test_registered_pool_dropped_without_close_unregisters(backend, recorded, io):
+    """A pool that goes out of scope cleans up exactly like close(): every piece unregistered,
+    so the next pool registered at the same address does not fail as already registered."""
+    if io not in backend.io_backends or (io == "kernel" and not backend.kernel_reads_registered_memory):
+        pytest.skip(f"{backend.name} has no {io} path over registered memory")
+    dev = pk.DeviceKVPool(2, 64, 4, 2, 24, 16, dtype=torch.bfloat16)
+    for _ in range(3):
+        host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io, host_memory="registered")
+        host.backup_from_device_all_layer(dev, torch.arange(8), torch.arange(8, device=dev.device))
+        del host
+        gc.collect()
+        assert sorted(recorded["unregister"]) == sorted(a for a, _ in recorded["register"])

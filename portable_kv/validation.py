@@ -1,0 +1,138 @@
+"""Index validation: everything a transfer's indices must satisfy before a byte moves.
+
+Engines pass the same index tensors to every per-layer call (48 loads of one
+set of pages), so a validated pair is kept and found again by the identity of
+the caller's tensors and their version counters.  Version counters miss writes
+made through `.numpy()`, `.data` or DLPack, so for CPU-resident indices the
+kept pair also holds a snapshot of the values, compared on every reuse: what
+moves is always what was validated.  GPU-resident indices are not compared
+(that would be a device round trip per call): an engine that rewrites them
+in place behind torch's back must pass a new tensor (docs/API.md, Guarantees).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .cache import IdentityCache
+from .layout import PAGE_LAYOUTS
+from .plan import IndexPair
+
+INDEX_DTYPES = (torch.int64, torch.int32)
+VALIDATED_KEPT = 4  # a per-layer load's pair, a backup's pair, and spares: an engine interleaves them
+
+
+def index_tensor(name: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a 1-D torch.Tensor of int64 or int32, got {type(value).__name__}")
+    if value.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name}: expected dtype int64 or int32, got {value.dtype}")
+    if value.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_range(name: str, values: np.ndarray, limit: int) -> None:
+    if values.size == 0:
+        return
+    low, high = int(values.min()), int(values.max())
+    if low < 0:
+        raise ValueError(f"{name}: expected indices >= 0, got {low}")
+    if high >= limit:
+        raise ValueError(f"{name}: expected indices < {limit} (the pool's tokens), got {high}")
+
+
+def check_whole_pages(name: str, values: np.ndarray, page_size: int, layout: str) -> None:
+    if values.size % page_size:
+        raise ValueError(f"{name}: layout {layout!r} moves whole pages: expected a length divisible by page_size={page_size}, got {values.size}")
+    pages = values.reshape(-1, page_size)
+    if (pages[:, 0] % page_size).any():
+        bad = int(pages[(pages[:, 0] % page_size) != 0][0, 0])
+        raise ValueError(f"{name}: layout {layout!r} moves whole pages: each run of {page_size} must start at a multiple of {page_size}, got {bad}")
+    if page_size > 1 and (np.diff(pages, axis=1) != 1).any():
+        row = int(np.flatnonzero((np.diff(pages, axis=1) != 1).any(axis=1))[0])
+        raise ValueError(f"{name}: layout {layout!r} moves whole pages: run {row} is not {page_size} consecutive tokens")
+
+
+def check_unique(name: str, values: np.ndarray) -> None:
+    if np.unique(values).size != values.size:
+        raise ValueError(f"{name}: expected distinct destination slots, got duplicates (two writes to one slot race)")
+
+
+def _owned_int64(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous int64 copy the caller cannot change: kernels read data_ptr() as a dense array,
+    so a strided or expanded view would be read wrongly, and a later in-place write would
+    change indices that were already validated."""
+    return t.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor | None:
+    return t.clone() if t.device.type == "cpu" else None
+
+
+class ValidatedPair:
+    """A validated index pair, and what it was validated from."""
+
+    __slots__ = ("pair", "host_snapshot", "device_snapshot")
+
+    def __init__(self, pair: IndexPair, host_snapshot: torch.Tensor | None, device_snapshot: torch.Tensor | None) -> None:
+        self.pair = pair
+        self.host_snapshot = host_snapshot  # the CPU-resident values validated, compared on reuse
+        self.device_snapshot = device_snapshot
+
+    def unchanged(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+        for given, snapshot in ((host_indices, self.host_snapshot), (device_indices, self.device_snapshot)):
+            if snapshot is not None and not torch.equal(given, snapshot):
+                return False
+        return True
+
+
+class IndexValidator:
+    """Validates a transfer's index tensors for one host pool, keeping the last few pairs."""
+
+    def __init__(self, host_tokens: int, page_size: int, layout: str, validate: bool) -> None:
+        self.host_tokens, self.page_size, self.layout, self.validate = host_tokens, page_size, layout, validate
+        self.validations = 0  # how many pairs were validated (not found kept): tests count them
+        self._kept: IdentityCache[ValidatedPair] = IdentityCache(VALIDATED_KEPT)
+
+    def __call__(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
+        tensors = (host_indices, device_indices)
+        if type(host_indices) is torch.Tensor and type(device_indices) is torch.Tensor:
+            stamp = (host_indices._version, device_indices._version, device_tokens, to_device)
+            kept = self._kept.lookup(tensors, stamp)
+            if kept is not None and kept.unchanged(host_indices, device_indices):
+                return kept.pair
+        else:
+            stamp = None
+        kept = self._validate(host_indices, device_indices, device_tokens, to_device)
+        if stamp is None:
+            stamp = (host_indices._version, device_indices._version, device_tokens, to_device)
+        self._kept.store(tensors, kept, stamp)
+        return kept.pair
+
+    def _validate(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> ValidatedPair:
+        host = index_tensor("host_indices", host_indices)
+        dev = index_tensor("device_indices", device_indices)
+        if host.numel() != dev.numel():
+            raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
+        host, dev = _owned_int64(host), _owned_int64(dev)
+        if dev.device != host.device:
+            dev = dev.to(host.device)
+        pair = IndexPair(host, dev)
+        if self.validate:
+            host_np, dev_np = pair.numpy()  # GPU-resident indices: one copy, after the stream that produced them
+            check_range("host_indices", host_np, self.host_tokens)
+            check_range("device_indices", dev_np, device_tokens)
+            if self.layout in PAGE_LAYOUTS:
+                check_whole_pages("host_indices", host_np, self.page_size, self.layout)
+                check_whole_pages("device_indices", dev_np, self.page_size, self.layout)
+            # Two writes to one slot would race on a GPU: the result would depend on timing.
+            check_unique("device_indices" if to_device else "host_indices", dev_np if to_device else host_np)
+        self.validations += 1
+        return ValidatedPair(pair, _snapshot(host_indices), _snapshot(device_indices))
+
+    def clear(self) -> None:
+        self._kept.clear()

@@ -53,6 +53,9 @@ HIP_BITCODE = Setting("PORTABLE_KV_HIP_BITCODE", None, "directory of the AMD dev
 DEBUG = Setting("PORTABLE_KV_DEBUG", "0", "1: the command line shows full tracebacks")
 
 SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, DEBUG)
+# Triton's own switch (Triton reads it too): it decides whether the triton backend
+# runs on the CPU; not a PORTABLE_KV_* setting, so not in SETTINGS' table.
+TRITON_INTERPRET = Setting("TRITON_INTERPRET", "0", "1: Triton kernels run on the CPU under Triton's interpreter")
 
 
 def block_quota(vendor: str) -> int:

@@ -3,6 +3,8 @@
 The kernel io backends compute the same offsets inside the kernel from the
 indices and the strides; this module builds them on the host, vectorised,
 for the DMA path (one batched memcpy call) and for the CPU backend's `direct`.
+Like the kernels, the plan leaves out a token whose index is outside either
+pool (an engine that skips validation must not get a wild copy) and says so.
 """
 
 from __future__ import annotations
@@ -39,16 +41,19 @@ def tensor_pair(host: torch.Tensor, device: Sequence[torch.Tensor], layout: str,
 
 
 class IndexPair:
-    """Validated host/device token indices (int64), with their copies on other devices cached.
+    """Validated host/device token indices, as contiguous int64, with their copies on
+    other devices cached.
 
-    Engines pass the same index tensors to every per-layer call, so a copy
-    made for one layer serves the other layers.
+    Engines pass the same index tensors to every per-layer call, so a copy made
+    for one layer serves the other layers.  Kernels read the copies by address:
+    each one is contiguous int64 whatever view (strided, stride 0, offset) it came from.
     """
 
     def __init__(self, host: torch.Tensor, device: torch.Tensor) -> None:
-        self._by_device = {host.device: (host, device)}
+        self._by_device = {host.device: (_dense(host), _dense(device.to(host.device)))}
         self.tokens = int(host.numel())
         self._runs: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._inside: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool]] = {}
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         device = torch.device(device)
@@ -57,13 +62,39 @@ class IndexPair:
         pair = self._by_device.get(device)
         if pair is None:
             host, dev = next(iter(self._by_device.values()))
-            pair = (host.to(device, non_blocking=True), dev.to(device, non_blocking=True))
+            if device.type == "cpu":
+                # GPU-resident indices may still be being written by the current stream:
+                # one blocking copy of both waits for it once (a non-blocking copy
+                # read at once could see the values before they exist).
+                both = torch.stack((host, dev)).to(device)
+                pair = (both[0], both[1])
+            else:
+                # Stream-ordered on the device: a kernel launched after reads the copy.
+                pair = (host.to(device, non_blocking=True), dev.to(device, non_blocking=True))
             self._by_device[device] = pair
         return pair
 
     def numpy(self) -> tuple[np.ndarray, np.ndarray]:
         host, dev = self.on(torch.device("cpu"))
         return host.numpy(), dev.numpy()
+
+    def inside(self, host_tokens: int, device_tokens: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The indices of the tokens inside both pools, and whether any token was left out.
+
+        The copy kernels check every index against both pools; the host-side
+        movers (the DMA plan, the CPU oracle) keep the same guarantee with this."""
+        key = (host_tokens, device_tokens)
+        cached = self._inside.get(key)
+        if cached is None:
+            host, dev = self.numpy()
+            ok = (host >= 0) & (host < host_tokens) & (dev >= 0) & (dev < device_tokens)
+            cached = (host, dev, False) if ok.all() else (host[ok], dev[ok], True)
+            self._inside[key] = cached
+        return cached
+
+
+def _dense(indices: torch.Tensor) -> torch.Tensor:
+    return indices.to(torch.int64).contiguous()
 
 
 class Transfer(NamedTuple):
@@ -94,9 +125,13 @@ class CopyBatch:
     dst: np.ndarray  # uint64
     src: np.ndarray  # uint64
     sizes: np.ndarray  # uint64
+    skipped: bool = False  # tokens were left out: an index was outside a pool
 
     def __len__(self) -> int:
         return int(self.sizes.size)
+
+    def slice(self, begin: int, end: int) -> CopyBatch:
+        return CopyBatch(self.dst[begin:end], self.src[begin:end], self.sizes[begin:end])
 
 
 def token_runs(host_idx: np.ndarray, dev_idx: np.ndarray, pair: TensorPair, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,17 +152,19 @@ def token_runs(host_idx: np.ndarray, dev_idx: np.ndarray, pair: TensorPair, page
     return starts, np.diff(np.append(starts, n))
 
 
-def run_offsets(indices: IndexPair, pair: TensorPair, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def run_offsets(indices: IndexPair, pair: TensorPair, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
     """Host offsets, device offsets and byte sizes of the merged runs, before the layer and
-    head-group terms; kept with the indices, which an engine passes to every layer."""
-    key = (pair.strides, pair.chunks, page_size, pair.registration_tokens)
+    head-group terms, and whether tokens outside a pool were left out; kept with the
+    indices, which an engine passes to every layer."""
+    device_tokens = int(pair.device[0].shape[0])
+    key = (pair.strides, pair.chunks, page_size, pair.registration_tokens, device_tokens)
     cached = indices._runs.get(key)
     if cached is None:
-        host_idx, dev_idx = indices.numpy()
+        host_idx, dev_idx, skipped = indices.inside(pair.strides.tokens, device_tokens)
         s = pair.strides
         starts, lengths = token_runs(host_idx, dev_idx, pair, page_size)
         h, d = host_idx[starts], dev_idx[starts]
-        cached = ((h // page_size) * s.page + (h % page_size) * s.token, d * pair.device_token_bytes, lengths * pair.chunks.chunk_bytes)
+        cached = ((h // page_size) * s.page + (h % page_size) * s.token, d * pair.device_token_bytes, lengths * pair.chunks.chunk_bytes, skipped)
         indices._runs[key] = cached
     return cached
 
@@ -136,9 +173,11 @@ def copy_batch(transfer: Transfer) -> CopyBatch:
     """All chunks of a transfer, K then V, each run merged, as one batch."""
     layers = np.asarray(transfer.layers, dtype=np.int64)
     dst, src, sizes = [], [], []
+    skipped = False
     for pair in transfer.pairs:
         s, c = pair.strides, pair.chunks
-        host_off, dev_off, size = run_offsets(transfer.indices, pair, transfer.page_size)
+        host_off, dev_off, size, left_out = run_offsets(transfer.indices, pair, transfer.page_size)
+        skipped |= left_out
         groups = np.arange(c.groups, dtype=np.int64)
         layer_base = np.array([pair.device[int(l)].data_ptr() for l in layers], dtype=np.int64)
         # Broadcast to (layer, group, run).
@@ -152,4 +191,5 @@ def copy_batch(transfer: Transfer) -> CopyBatch:
         np.concatenate(dst).view(np.uint64),
         np.concatenate(src).view(np.uint64),
         np.concatenate(sizes).view(np.uint64),
+        skipped,
     )

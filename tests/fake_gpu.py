@@ -1,7 +1,8 @@
 """A GPU backend whose 'device' is the CPU and whose kernel is a Python model of
-kernels_common/kv_copy.h: it runs the real argument packing of backends/gpu.py
-(struct layout, access width, vector counts, layer tables) and executes the
-copy the kernel would do, vector by vector, on raw addresses."""
+kernels_common/kv_copy.h: it runs the real argument packing of backends/kernel_args.py
+(struct layout, access width, vector counts, layer tables) through the real
+KernelMover, and executes the copy the kernel would do, vector by vector, on raw
+addresses.  Its copy engines are memmove over the real DMA plan."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import ctypes
 import numpy as np
 import torch
 
+from portable_kv.backends.base import Mover
 from portable_kv.backends.cuda import KERNEL_SOURCE
-from portable_kv.backends.gpu import KERNEL_WIDTHS, CopyArgs, GpuBackend
+from portable_kv.backends.gpu import GpuBackend
+from portable_kv.backends.jit import KernelSpec
+from portable_kv.backends.kernel_args import KERNEL_WIDTHS, CopyArgs
+from portable_kv.backends.runtime import DeviceRuntime
 from portable_kv.plan import CopyBatch
 
 
@@ -40,16 +45,82 @@ def run_kernel_model(params: int, width: int) -> None:
         ctypes.memmove(dst, src, width)
 
 
+class SimulatedRuntime(DeviceRuntime):
+    """A runtime with no library: launches run the kernel model, copies are memmove."""
+
+    prefix = "sim"
+    code_suffix = "cubin"
+    kernel_source = KERNEL_SOURCE
+    batch_min_version = 0
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[int, int, int]] = []  # (width, grid, block)
+        self.registered: list[tuple[int, int]] = []
+        super().__init__(_VersionOnly(), 0)
+        self.has_batch = True  # batch_call below
+
+    def arch(self) -> str:
+        return "model"
+
+    def compiler(self) -> str:
+        return "python"
+
+    def compile(self, spec: KernelSpec) -> bytes:
+        return b""
+
+    def code_object(self) -> bytes:
+        return b""  # the model needs none, and the kernel cache stays untouched
+
+    def load(self, image: bytes) -> dict[int, int]:
+        return {w: w for w in KERNEL_WIDTHS}
+
+    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
+        self.launches.append((kernel, grid, block))
+        run_kernel_model(params, kernel)
+
+    def batch_call(self, batch: CopyBatch, stream: int) -> int:
+        for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
+            ctypes.memmove(dst, src, size)
+        return 0
+
+    def current_stream(self) -> int:
+        return 0
+
+    def register_host(self, address: int, nbytes: int) -> int:
+        self.registered.append((address, nbytes))
+        return address
+
+    def unregister_host(self, address: int) -> None:
+        self.registered = [r for r in self.registered if r[0] != address]
+
+    def _bind(self) -> None:
+        pass
+
+    def version_text(self) -> str:
+        return "model"
+
+
+class _VersionOnly:
+    """The one library symbol DeviceRuntime calls when it is built."""
+
+    @staticmethod
+    def simRuntimeGetVersion(version) -> int:  # noqa: N802 -- the runtime library's symbol name
+        version._obj.value = 1
+        return 0
+
+
 class SimulatedGpuBackend(GpuBackend):
     name = "simulated"
     vendor = "cpu"
-    default_block_quota = 16
-    vendor_kernel = KERNEL_SOURCE
-    code_suffix = "cubin"
 
     def __init__(self) -> None:
-        super().__init__()
-        self.launches: list[tuple[int, int, int]] = []  # (width, grid, block)
+        super().__init__(SimulatedRuntime())
+        self.created: list[Mover] = []  # every mover handed out, newest last
+
+    def mover(self, io: str) -> Mover:
+        mover = super().mover(io)
+        self.created.append(mover)
+        return mover
 
     @classmethod
     def unavailable_reason(cls):
@@ -57,32 +128,6 @@ class SimulatedGpuBackend(GpuBackend):
 
     def _device(self) -> torch.device:
         return torch.device("cpu")
-
-    def arch(self) -> str:
-        return "model"
-
-    def compiler_version(self) -> str:
-        return "python"
-
-    def compile(self, arch: str) -> bytes:
-        return b""
-
-    def load(self, image: bytes) -> dict[int, object]:
-        return {w: w for w in KERNEL_WIDTHS}
-
-    def launch(self, kernel, grid: int, block: int, params: int, stream: int) -> None:
-        self.launches.append((kernel, grid, block))
-        run_kernel_model(params, kernel)
-
-    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
-        for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
-            ctypes.memmove(dst, src, size)
-
-    def stream(self) -> int:
-        return 0
-
-    def code_object(self) -> bytes:
-        return b""
 
     def synchronize(self) -> None:
         pass

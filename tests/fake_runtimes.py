@@ -127,9 +127,14 @@ def _plain(arg):
     return arg
 
 
-HIP_SYMBOLS = ("hipRuntimeGetVersion", "hipModuleLaunchKernel", "hipMemcpyBatchAsync", "hipMemcpyAsync", "hipGetErrorName")
+HIP_SYMBOLS = ("hipRuntimeGetVersion", "hipModuleLaunchKernel", "hipMemcpyBatchAsync", "hipMemcpyAsync", "hipGetErrorName", "hipSetDevice")
 CUDART_SYMBOLS = ("cudaRuntimeGetVersion", "cudaMemcpyBatchAsync", "cudaMemcpyAsync", "cudaGetErrorName")
 
 
 def cpu_device(self) -> torch.device:
     return torch.device("cpu")
+
+
+def no_stream(self) -> int:
+    """A runtime's current stream where no GPU is: a fixed handle the tests look for."""
+    return 0x5EED

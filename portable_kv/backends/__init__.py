@@ -9,10 +9,11 @@ CUDA, then the CPU reference.
 from __future__ import annotations
 
 import importlib
-import os
+import warnings
 
 import torch
 
+from .. import config
 from .base import Backend, BackendUnavailable
 
 # name -> module:class, imported only when asked for, so that a CPU-only
@@ -23,7 +24,7 @@ _REGISTRY = {
     "triton": "portable_kv.backends.triton:TritonBackend",
     "cpu": "portable_kv.backends.cpu:CpuBackend",
 }
-ENV_VAR = "PORTABLE_KV_BACKEND"
+ENV_VAR = config.BACKEND.name
 
 _current: Backend | None = None
 _instances: dict[str, Backend] = {}
@@ -65,7 +66,7 @@ def get(name: str) -> Backend:
 
 def detect() -> str:
     """The backend name that import-time detection picks on this machine."""
-    forced = os.environ.get(ENV_VAR, "").strip()
+    forced = config.BACKEND.raw()
     if forced:
         return forced
     gpu = torch.cuda.is_available()
@@ -95,12 +96,10 @@ def _bind_at_import() -> None:
     try:
         use(name)
     except ValueError as exc:
-        if os.environ.get(ENV_VAR, "").strip():
+        if config.BACKEND.raw():
             raise ValueError(f"{ENV_VAR}={name}: {exc}") from None
         # A GPU was seen but its backend cannot run (binding missing, say):
         # fall back to the reference so the package stays importable, and say why.
-        import warnings
-
         warnings.warn(f"portable_kv: {exc}; falling back to the cpu backend", stacklevel=3)
         use("cpu")
 

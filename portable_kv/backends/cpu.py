@@ -1,19 +1,49 @@
-"""The reference backend: torch index ops on the canonical view; the oracle for every test.
+"""The reference backend: torch indexing on the canonical view; the oracle for every test.
 
-`kernel` io moves data with torch advanced indexing, independent of the
-planner; `direct` io executes the copy engines' plan (plan.copy_batch) with
-memmove, so the DMA planner runs in CI too.
+`kernel` io moves data with torch advanced indexing, independent of the planner;
+`direct` io executes the copy engines' plan with memmove, so the DMA planner runs
+in CI too.  Both keep the GPU kernels' guarantee for unvalidated indices: a token
+outside either pool is skipped and flagged, and the next call raises.
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from ..layout import canonical_view
-from ..plan import Transfer, copy_batch
-from .base import Backend
+from ..plan import Transfer
+from .base import Backend, Mover, MoverFactory
+from .dma import HostCopyMover
+from .kernel_args import WORD_DTYPES
+
+
+class IndexingMover(Mover):
+    """torch advanced indexing on the canonical view of the host buffers."""
+
+    io = "kernel"
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+    def move(self, transfer: Transfer) -> None:
+        self.bad_index.check()
+        P = transfer.page_size
+        host_np, dev_np, skipped = transfer.indices.inside(transfer.pairs[0].strides.tokens, transfer.pairs[0].device[0].shape[0])
+        if skipped:
+            self.bad_index.set()
+        host_idx, dev_idx = torch.from_numpy(host_np), torch.from_numpy(dev_np)
+        page, offset = host_idx // P, host_idx % P
+        for pair in transfer.pairs:
+            view = as_words(canonical_view(pair.host, pair.layout, P))
+            for layer in transfer.layers:
+                device = as_words(pair.device[layer])
+                if transfer.to_device:
+                    device[dev_idx] = view[page, offset, layer]
+                else:
+                    view[page, offset, layer] = device[dev_idx]
+
+    def close(self) -> None:
+        """Nothing to drop: the in-bounds indices are kept with the indices, which the pool owns."""
 
 
 class CpuBackend(Backend):
@@ -27,31 +57,10 @@ class CpuBackend(Backend):
     def _device(self) -> torch.device:
         return torch.device("cpu")
 
-    def transfer(self, transfer: Transfer, io_backend: str) -> None:
-        if io_backend == "direct":
-            batch = copy_batch(transfer)
-            for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
-                ctypes.memmove(dst, src, size)
-            return
-        P = transfer.page_size
-        host_idx, _ = transfer.indices.on(torch.device("cpu"))
-        _, dev_idx = transfer.indices.on(transfer.pairs[0].device[0].device)
-        page, offset = host_idx // P, host_idx % P
-        for pair in transfer.pairs:
-            view = _as_bits(canonical_view(pair.host, pair.layout, P))
-            for layer in transfer.layers:
-                device = _as_bits(pair.device[layer])
-                if transfer.to_device:
-                    device[dev_idx] = view[page, offset, layer].to(device.device)
-                else:
-                    view[page, offset, layer] = device[dev_idx].cpu()
+    def movers(self) -> dict[str, MoverFactory]:
+        return {"kernel": IndexingMover, "direct": HostCopyMover}
 
 
-# Moves are bit copies: integer views of the same width work for every dtype,
-# float8 included, whose index kernels torch does not implement on the CPU.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS[t.element_size()])
-
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the element's width: moves are bit copies."""
+    return t.view(WORD_DTYPES[t.element_size()])

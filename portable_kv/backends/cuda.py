@@ -1,6 +1,8 @@
-"""NVIDIA: NVRTC or nvcc code objects, loaded and launched through cuda-python.
+"""NVIDIA: NVRTC or nvcc code objects, loaded through cuda-python; launches and batched
+copies through ctypes.
 
-Twin of rocm.py: the same methods in the same order; gpu.py holds the rest.
+Twin of rocm.py: the same functions and methods in the same order; runtime.py holds
+what the vendors share, gpu.py the backend over either.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ import importlib
 import importlib.util
 import shutil
 import subprocess
-import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..plan import CopyBatch
 from .base import BackendUnavailable
-from .gpu import COMMON_KERNEL_DIR, KERNEL_WIDTHS, PACKAGE_DIR, GpuBackend, RuntimeLibrary, as_pointer_array, find_loaded_library
+from .gpu import GpuBackend
+from .jit import COMMON_KERNEL_DIR, PACKAGE_DIR, KernelSpec
+from .kernel_args import KERNEL_WIDTHS
+from .runtime import DeviceRuntime, as_pointer_array, check, find_loaded_library
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_cuda" / "kv_copy.cu"
 AOT_ARCHS = ("sm_80", "sm_90", "sm_100")
@@ -26,7 +31,7 @@ BATCH_FAILIDX_UNTIL = 13000  # 12.8/12.9 take a failIdx argument; 13.0 dropped i
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream; 0 is invalid
 
 
-def bindings():
+def bindings() -> tuple[Any, Any]:
     """cuda-python's driver and NVRTC modules; a clear error when the `cuda` extra is missing."""
     try:
         return importlib.import_module("cuda.bindings.driver"), importlib.import_module("cuda.bindings.nvrtc")
@@ -36,12 +41,12 @@ def bindings():
         ) from exc
 
 
-def check(result, what: str):
-    """Unwrap a cuda-python (error, *values) tuple, raising with the driver's name for the error."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)} ({int(err)})")
-    return values[0] if len(values) == 1 else values
+def runtime_library() -> ctypes.CDLL:
+    """The CUDA runtime library torch already loaded (libcudart)."""
+    try:
+        return ctypes.CDLL(find_loaded_library("libcudart") or "libcudart.so")
+    except OSError as exc:
+        raise BackendUnavailable(f"the CUDA runtime library could not be loaded ({exc}); install a CUDA build of torch") from exc
 
 
 class MemcpyAttributes(ctypes.Structure):
@@ -57,21 +62,60 @@ class MemcpyAttributes(ctypes.Structure):
     ]
 
 
-class CudaRuntime(RuntimeLibrary):
-    """The CUDA runtime library torch already loaded."""
+class CudaRuntime(DeviceRuntime):
+    """One NVIDIA GPU: cuda-python for code objects and contexts, libcudart and libcuda for each call."""
 
     prefix = "cuda"
+    code_suffix = "cubin"
+    kernel_source = KERNEL_SOURCE
     batch_min_version = BATCH_MIN_VERSION
 
-    def __init__(self, lib=None) -> None:
-        if lib is None:
-            try:
-                lib = ctypes.CDLL(find_loaded_library("libcudart") or "libcudart.so")
-            except OSError as exc:
-                raise BackendUnavailable(f"the CUDA runtime library could not be loaded ({exc}); install a CUDA build of torch") from exc
-        super().__init__(lib)
+    def __init__(self, device_index: int = 0, lib: Any = None) -> None:
+        super().__init__(lib if lib is not None else runtime_library(), device_index)
         self.attrs = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
         self.attrs_index = ctypes.c_size_t(0)
+        self._bindings: tuple[Any, Any] | None = None  # (driver, nvrtc), imported at first use
+        self._launch_kernel: Any = None  # libcuda's cuLaunchKernel, opened at the first launch
+
+    @property
+    def driver(self) -> Any:
+        return self._vendor_bindings()[0]
+
+    @property
+    def nvrtc(self) -> Any:
+        return self._vendor_bindings()[1]
+
+    def _vendor_bindings(self) -> tuple[Any, Any]:
+        if self._bindings is None:
+            self._bindings = bindings()
+        return self._bindings
+
+    def arch(self) -> str:
+        major, minor = torch.cuda.get_device_capability(self.device_index)
+        return f"sm_{major}{minor}"
+
+    def compiler(self) -> str:
+        major, minor = check(self.nvrtc.nvrtcVersion(), "nvrtcVersion")
+        return f"nvrtc {major}.{minor}"
+
+    def compile(self, spec: KernelSpec) -> bytes:
+        return nvrtc_compile(self.nvrtc, spec.arch, spec.defines)
+
+    def load(self, image: bytes) -> dict[int, int]:
+        module = check(self.driver.cuModuleLoadData(image), "cuModuleLoadData")
+        return {w: int(check(self.driver.cuModuleGetFunction(module, f"pkv_copy_{w}".encode()), "cuModuleGetFunction")) for w in KERNEL_WIDTHS}
+
+    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
+        if self._launch_kernel is None:
+            # ctypes: ~6 us a launch from Python where cuda-python's wrapper takes ~9 (docs/PERFORMANCE.md).
+            call = ctypes.CDLL(find_loaded_library("libcuda") or "libcuda.so.1").cuLaunchKernel
+            u = ctypes.c_uint
+            call.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            call.restype = ctypes.c_int
+            self._launch_kernel = call
+        code = self._launch_kernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None)
+        if code:
+            check((self.driver.CUresult(code),), "cuLaunchKernel")
 
     def batch_call(self, batch: CopyBatch, stream: int) -> int:
         # One attribute entry (srcAccessOrder = stream) for every copy.
@@ -89,27 +133,20 @@ class CudaRuntime(RuntimeLibrary):
         args.append(ctypes.c_void_p(stream))
         return self.lib.cudaMemcpyBatchAsync(*args)
 
+    def _bind(self) -> None:
+        # The driver API needs the primary context current on each calling thread;
+        # torch makes it current only on threads that touched the runtime.
+        device = check(self.driver.cuDeviceGet(self.device_index), "cuDeviceGet")
+        context = check(self.driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        check(self.driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
-class DriverLaunch:
-    """cuLaunchKernel through ctypes: ~6 us a launch from Python where cuda-python's wrapper takes ~9 (DESIGN.md)."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL(find_loaded_library("libcuda") or "libcuda.so.1")
-        self.call = lib.cuLaunchKernel
-        u = ctypes.c_uint
-        self.call.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self.call.restype = ctypes.c_int
-
-    def __call__(self, kernel: int, grid: int, block: int, params: int, stream: int) -> int:
-        return self.call(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None)
+    def version_text(self) -> str:
+        return f"{self.version // 1000}.{self.version % 1000 // 10}"
 
 
 class CudaBackend(GpuBackend):
     name = "cuda"
     vendor = "nvidia"
-    default_block_quota = 16  # H200: 16 blocks of 512 reach the PCIe ceiling (DESIGN.md)
-    vendor_kernel = KERNEL_SOURCE
-    code_suffix = "cubin"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -121,53 +158,11 @@ class CudaBackend(GpuBackend):
             return "cuda-python is not installed (pip install 'portable-kv[cuda]')"
         return None
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.driver, self.nvrtc = bindings()
-        self.runtime = CudaRuntime()
-        self._launch = DriverLaunch()
-        self._thread = threading.local()
-
-    def arch(self) -> str:
-        major, minor = torch.cuda.get_device_capability(self.device)
-        return f"sm_{major}{minor}"
-
-    def compiler_version(self) -> str:
-        major, minor = check(self.nvrtc.nvrtcVersion(), "nvrtcVersion")
-        return f"nvrtc {major}.{minor}"
-
-    def compile(self, arch: str) -> bytes:
-        return nvrtc_compile(self.nvrtc, arch, self.defines)
-
-    def load(self, image: bytes) -> dict[int, object]:
-        self.bind_thread()
-        module = check(self.driver.cuModuleLoadData(image), "cuModuleLoadData")
-        functions = {w: check(self.driver.cuModuleGetFunction(module, f"pkv_copy_{w}".encode()), "cuModuleGetFunction") for w in KERNEL_WIDTHS}
-        return {w: int(f) for w, f in functions.items()}
-
-    def launch(self, kernel: object, grid: int, block: int, params: int, stream: int) -> None:
-        err = self._launch(kernel, grid, block, params, stream)
-        if err:
-            check((self.driver.CUresult(err),), "cuLaunchKernel")
-
-    def bind_thread(self) -> None:
-        # The driver API needs the primary context current on each calling thread;
-        # torch makes it current only on threads that touched the runtime.
-        if getattr(self._thread, "bound", False):
-            return
-        device = check(self.driver.cuDeviceGet(self.device.index), "cuDeviceGet")
-        context = check(self.driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-        check(self.driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-        self._thread.bound = True
-
-    def describe(self) -> dict[str, str]:
-        facts = super().describe()
-        facts["cuda runtime"] = f"{self.runtime.version // 1000}.{self.runtime.version % 1000 // 10}"
-        facts["direct"] = "cudaMemcpyBatchAsync" if self.runtime.has_batch else "cudaMemcpyAsync loop"
-        return facts
+    def __init__(self, runtime: CudaRuntime | None = None) -> None:
+        super().__init__(runtime or CudaRuntime(torch.cuda.current_device()))
 
 
-def nvrtc_compile(nvrtc, arch: str, defines: tuple[str, ...] = ()) -> bytes:
+def nvrtc_compile(nvrtc: Any, arch: str, defines: tuple[str, ...] = ()) -> bytes:
     """NVRTC: the vendor source to a cubin for `arch` (no GPU needed)."""
     source = KERNEL_SOURCE.read_bytes()
     program = check(nvrtc.nvrtcCreateProgram(source, KERNEL_SOURCE.name.encode(), 0, [], []), "nvrtcCreateProgram")
@@ -193,14 +188,12 @@ def nvrtc_compile(nvrtc, arch: str, defines: tuple[str, ...] = ()) -> bytes:
 
 def nvcc_build(out_dir: Path, archs: tuple[str, ...] = AOT_ARCHS, nvcc: str | None = None) -> list[Path]:
     """Ahead of time: one cubin per arch with nvcc, named so that the loader prefers it."""
-    from .gpu import code_object_name
-
     nvcc = nvcc or shutil.which("nvcc")
     if nvcc is None:
         raise BackendUnavailable("nvcc was not found on PATH; install the CUDA toolkit or rely on NVRTC at first use")
     written = []
     for arch in archs:
-        out = out_dir / code_object_name(KERNEL_SOURCE, arch, "cubin")
+        out = out_dir / KernelSpec.for_source(KERNEL_SOURCE, arch, "nvcc", "cubin").prebuilt_name()
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [nvcc, f"-arch={arch}", "-cubin", "-O3", "-std=c++17", f"-I{COMMON_KERNEL_DIR}", "-o", str(out), str(KERNEL_SOURCE)]
         result = subprocess.run(cmd, capture_output=True, text=True)
@@ -210,4 +203,4 @@ def nvcc_build(out_dir: Path, archs: tuple[str, ...] = AOT_ARCHS, nvcc: str | No
     return written
 
 
-__all__ = ["CudaBackend", "nvcc_build", "nvrtc_compile"]
+__all__ = ["CudaBackend", "CudaRuntime", "nvcc_build", "nvrtc_compile"]

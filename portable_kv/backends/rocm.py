@@ -1,8 +1,9 @@
-"""AMD: hiprtc or clang/hipcc code objects, loaded through hip-python.
+"""AMD: hiprtc or clang/hipcc code objects, loaded through hip-python; launches and
+batched copies through ctypes.
 
-Twin of cuda.py: the same methods in the same order; gpu.py holds the rest.
-On ROCm, torch.cuda streams are HIP streams, so torch's stream handles pass
-straight to the HIP runtime.
+Twin of cuda.py: the same functions and methods in the same order; runtime.py holds
+what the vendors share, gpu.py the backend over either.  On ROCm, torch.cuda streams
+are HIP streams, so torch's stream handles pass straight to the HIP runtime.
 """
 
 from __future__ import annotations
@@ -15,24 +16,19 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .. import config
 from ..plan import CopyBatch
 from .base import BackendUnavailable
-from .gpu import (
-    COMMON_KERNEL_DIR,
-    KERNEL_WIDTHS,
-    PACKAGE_DIR,
-    GpuBackend,
-    RuntimeLibrary,
-    as_pointer_array,
-    code_object_name,
-    find_loaded_library,
-)
+from .gpu import GpuBackend
+from .jit import COMMON_HEADER, COMMON_KERNEL_DIR, PACKAGE_DIR, KernelSpec
+from .kernel_args import KERNEL_WIDTHS
+from .runtime import DeviceRuntime, as_pointer_array, check, find_loaded_library
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_hip" / "kv_copy.hip"
-HEADER = COMMON_KERNEL_DIR / "kv_copy.h"
 AOT_ARCHS = ("gfx90a", "gfx942", "gfx950")
 BATCH_MIN_VERSION = 70100000  # hipMemcpyBatchAsync appeared in ROCm 7.1 (HIP_VERSION encoding)
 BATCH_MAX_DESCRIPTORS = 8192  # more descriptors in one call fault on some parts
@@ -40,20 +36,7 @@ BITCODE_DIRS = ("/opt/rocm/amdgcn/bitcode", "/opt/rocm/lib/llvm/lib/clang/*/lib/
 BITCODE_LIBS = ("ockl.bc", "oclc_abi_version_500.bc", "oclc_wavefrontsize64_on.bc")
 
 
-def library_path(stem: str) -> str | None:
-    """A HIP library by file-name stem: already loaded (torch's), else pip-installed or /opt/rocm, versioned names included."""
-    loaded = find_loaded_library(stem)
-    if loaded:
-        return loaded
-    roots = [os.path.join(os.path.dirname(torch.__file__), "lib"), os.environ.get("ROCM_PATH", "/opt/rocm") + "/lib"]
-    for root in roots:
-        found = sorted(glob.glob(os.path.join(root, stem + ".so*")))
-        if found:
-            return found[0]
-    return None
-
-
-def bindings():
+def bindings() -> tuple[Any, Any]:
     """hip-python's runtime and hiprtc modules; a clear error when the `rocm` extra is missing.
 
     hip-python opens libamdhip64.so / libhiprtc.so by their unversioned names on
@@ -71,35 +54,74 @@ def bindings():
     return hip, hiprtc
 
 
-def check(result, what: str):
-    """Unwrap a hip-python (error, *values) tuple, raising with the runtime's name for the error."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)} ({int(err)})")
-    return values[0] if len(values) == 1 else values
+def runtime_library() -> ctypes.CDLL:
+    """The HIP runtime library (libamdhip64): torch's, else pip-installed ROCm's or /opt/rocm's."""
+    try:
+        return ctypes.CDLL(library_path("libamdhip64") or "libamdhip64.so")
+    except OSError as exc:
+        raise BackendUnavailable(f"the HIP runtime (libamdhip64) could not be loaded ({exc}); install ROCm or a ROCm build of torch") from exc
 
 
-class HipRuntime(RuntimeLibrary):
-    """libamdhip64: the batched memcpy (hip-python's wrapper cannot take a sizes array)
-    and the launch (no per-call argument conversion)."""
+def library_path(stem: str) -> str | None:
+    """A HIP library by file-name stem: already loaded (torch's), else pip-installed or /opt/rocm, versioned names included."""
+    loaded = find_loaded_library(stem)
+    if loaded:
+        return loaded
+    roots = [os.path.join(os.path.dirname(torch.__file__), "lib"), os.environ.get("ROCM_PATH", "/opt/rocm") + "/lib"]
+    for root in roots:
+        found = sorted(glob.glob(os.path.join(root, stem + ".so*")))
+        if found:
+            return found[0]
+    return None
+
+
+class HipRuntime(DeviceRuntime):
+    """One AMD GPU: hip-python for code objects, libamdhip64 for each call and the device binding."""
 
     prefix = "hip"
+    code_suffix = "hsaco"
+    kernel_source = KERNEL_SOURCE
     batch_min_version = BATCH_MIN_VERSION
+    max_batch = BATCH_MAX_DESCRIPTORS
 
-    def __init__(self, lib=None) -> None:
-        if lib is None:
-            path = library_path("libamdhip64")
-            try:
-                lib = ctypes.CDLL(path or "libamdhip64.so")
-            except OSError as exc:
-                raise BackendUnavailable(f"the HIP runtime (libamdhip64) could not be loaded ({exc}); install ROCm or a ROCm build of torch") from exc
-        super().__init__(lib)
+    def __init__(self, device_index: int = 0, lib: Any = None) -> None:
+        super().__init__(lib if lib is not None else runtime_library(), device_index)
         u = ctypes.c_uint
         self.lib.hipModuleLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.hipModuleLaunchKernel.restype = ctypes.c_int
+        self._bindings: tuple[Any, Any] | None = None  # (hip, hiprtc), imported at first use
+
+    @property
+    def hip(self) -> Any:
+        return self._vendor_bindings()[0]
+
+    @property
+    def hiprtc(self) -> Any:
+        return self._vendor_bindings()[1]
+
+    def _vendor_bindings(self) -> tuple[Any, Any]:
+        if self._bindings is None:
+            self._bindings = bindings()
+        return self._bindings
+
+    def arch(self) -> str:
+        # "gfx942:sramecc+:xnack-": the features matter to hiprtc's --offload-arch.
+        return torch.cuda.get_device_properties(self.device_index).gcnArchName
+
+    def compiler(self) -> str:
+        major, minor = check(self.hiprtc.hiprtcVersion(), "hiprtcVersion")
+        return f"hiprtc {major}.{minor}"
+
+    def compile(self, spec: KernelSpec) -> bytes:
+        return hiprtc_compile(self.hiprtc, spec.arch, spec.defines)
+
+    def load(self, image: bytes) -> dict[int, int]:
+        module = check(self.hip.hipModuleLoadData(image), "hipModuleLoadData")
+        return {w: int(check(self.hip.hipModuleGetFunction(module, f"pkv_copy_{w}".encode()), "hipModuleGetFunction")) for w in KERNEL_WIDTHS}
 
     def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
-        self.check(self.lib.hipModuleLaunchKernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None), "hipModuleLaunchKernel")
+        code = self.lib.hipModuleLaunchKernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None)
+        check(code, "hipModuleLaunchKernel", self.error_name)
 
     def batch_call(self, batch: CopyBatch, stream: int) -> int:
         # numAttrs = 0: ROCm 7.2 answers hipErrorNotSupported to any attribute.
@@ -115,16 +137,18 @@ class HipRuntime(RuntimeLibrary):
             ctypes.c_void_p(stream),
         )
 
+    def _bind(self) -> None:
+        # A module launch runs on the calling thread's current device, which is
+        # device 0 on a thread that never touched torch.
+        check(self.lib.hipSetDevice(self.device_index), "hipSetDevice", self.error_name)
+
+    def version_text(self) -> str:
+        return str(self.version)
+
 
 class RocmBackend(GpuBackend):
     name = "rocm"
     vendor = "amd"
-    # CDNA needs 8 to 32 blocks in flight to fill PCIe (published SGLang runs:
-    # 24 GB/s at 2 blocks, ~55 at 8-32); not yet measured here on MI300.
-    default_block_quota = 32
-    vendor_kernel = KERNEL_SOURCE
-    code_suffix = "hsaco"
-    max_batch = BATCH_MAX_DESCRIPTORS
     # hipHostRegister may map a range at another device address than the host's (DESIGN.md).
     kernel_reads_registered_memory = False
 
@@ -139,40 +163,13 @@ class RocmBackend(GpuBackend):
         return None
 
     def __init__(self, runtime: HipRuntime | None = None) -> None:
-        super().__init__()
-        self.hip, self.hiprtc = bindings()
-        self.runtime = runtime or HipRuntime()
-
-    def arch(self) -> str:
-        # "gfx942:sramecc+:xnack-": the features matter to hiprtc's --offload-arch.
-        return torch.cuda.get_device_properties(self.device).gcnArchName
-
-    def compiler_version(self) -> str:
-        major, minor = check(self.hiprtc.hiprtcVersion(), "hiprtcVersion")
-        return f"hiprtc {major}.{minor}"
-
-    def compile(self, arch: str) -> bytes:
-        return hiprtc_compile(self.hiprtc, arch, self.defines)
-
-    def load(self, image: bytes) -> dict[int, object]:
-        module = check(self.hip.hipModuleLoadData(image), "hipModuleLoadData")
-        functions = {w: check(self.hip.hipModuleGetFunction(module, f"pkv_copy_{w}".encode()), "hipModuleGetFunction") for w in KERNEL_WIDTHS}
-        return {w: int(f) for w, f in functions.items()}
-
-    def launch(self, kernel: object, grid: int, block: int, params: int, stream: int) -> None:
-        self.runtime.launch(kernel, grid, block, params, stream)
-
-    def describe(self) -> dict[str, str]:
-        facts = super().describe()
-        facts["hip runtime"] = str(self.runtime.version)
-        facts["direct"] = "hipMemcpyBatchAsync" if self.runtime.has_batch else "hipMemcpyAsync loop"
-        return facts
+        super().__init__(runtime or HipRuntime(torch.cuda.current_device()))
 
 
-def hiprtc_compile(hiprtc, arch: str, defines: tuple[str, ...] = ()) -> bytes:
+def hiprtc_compile(hiprtc: Any, arch: str, defines: tuple[str, ...] = ()) -> bytes:
     """hiprtc: the vendor source to a code object for `arch`; the shared header is passed as a program header."""
     program = check(hiprtc.hiprtcCreateProgram(KERNEL_SOURCE.read_bytes(), KERNEL_SOURCE.name.encode(), 1,
-                                               [HEADER.read_bytes()], [HEADER.name.encode()]), "hiprtcCreateProgram")
+                                               [COMMON_HEADER.read_bytes()], [COMMON_HEADER.name.encode()]), "hiprtcCreateProgram")
     options = [f"--offload-arch={arch}".encode(), b"-O3", b"-std=c++17"] + [f"-D{d}".encode() for d in defines]
     try:
         err, = hiprtc.hiprtcCompileProgram(program, len(options), options)
@@ -193,7 +190,8 @@ def hiprtc_compile(hiprtc, arch: str, defines: tuple[str, ...] = ()) -> bytes:
 
 
 def find_bitcode_dir() -> Path | None:
-    candidates = [os.environ["PORTABLE_KV_HIP_BITCODE"]] if os.environ.get("PORTABLE_KV_HIP_BITCODE") else []
+    configured = config.HIP_BITCODE.raw()
+    candidates = [configured] if configured else []
     for pattern in BITCODE_DIRS:
         candidates += sorted(glob.glob(pattern))
     for directory in candidates:
@@ -207,7 +205,7 @@ def clang_command(arch: str, out: Path, clang: str | None = None) -> list[str]:
     hipcc = shutil.which("hipcc") if clang is None else None
     if hipcc:
         return [hipcc, f"--offload-arch={arch}", "--genco", "-O3", "-std=c++17", f"-I{COMMON_KERNEL_DIR}", "-o", str(out), str(KERNEL_SOURCE)]
-    clang = clang or os.environ.get("PORTABLE_KV_CLANG") or shutil.which("clang++-19") or shutil.which("clang++")
+    clang = clang or config.CLANG.raw() or shutil.which("clang++-19") or shutil.which("clang++")
     bitcode = find_bitcode_dir()
     if clang is None or bitcode is None:
         raise BackendUnavailable(
@@ -221,18 +219,20 @@ def clang_command(arch: str, out: Path, clang: str | None = None) -> list[str]:
 
 def clang_build(out_dir: Path, archs: tuple[str, ...] = AOT_ARCHS, clang: str | None = None) -> list[Path]:
     """Ahead of time: one code object per arch the compiler knows, named so that the loader prefers it."""
-    written, unknown = [], []
+    written = []
     for arch in archs:
-        out = out_dir / code_object_name(KERNEL_SOURCE, arch, "hsaco")
+        out = out_dir / KernelSpec.for_source(KERNEL_SOURCE, arch, "clang", "hsaco").prebuilt_name()
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = clang_command(arch, out, clang)
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             if any(s in result.stderr.lower() for s in ("invalid target id", "unsupported", "invalid offload arch", "unknown target")):
-                unknown.append(arch)  # e.g. gfx950 before LLVM 20
-                continue
+                continue  # e.g. gfx950 before LLVM 20
             raise BackendUnavailable(f"HIP compile failed for {arch}: {' '.join(cmd)}\n{result.stderr}")
         written.append(out)
     if not written:
         raise BackendUnavailable(f"the HIP compiler knows none of {', '.join(archs)}")
     return written
+
+
+__all__ = ["HipRuntime", "RocmBackend", "clang_build", "hiprtc_compile"]

@@ -4,31 +4,36 @@ under Triton's interpreter (TRITON_INTERPRET=1), so CI executes the kernel logic
 The kernel is the algorithm of kernels_common/kv_copy.h in Triton's terms:
 a program takes ITEMS chunks (token, layer, head group) at a time, computes
 both addresses from the indices and the layout strides, and copies the chunk's
-words.  `direct` reuses the vendor backend's batched DMA (the CPU plan under
-the interpreter).
+words.  On a GPU, `direct` io and host registration are the vendor runtime's
+(cuda.py | rocm.py); under the interpreter, the CPU's (memmove, nothing to lock).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
+from typing import Any
 
 import torch
 
+from .. import config
 from ..cache import IdentityCache
 from ..plan import TensorPair, Transfer
-from .base import Backend, BadIndexFlag
-from .gpu import LayerTable, access_width
+from .base import Backend, Mover, MoverFactory
+from .cuda import CudaRuntime
+from .dma import HostCopyMover
+from .kernel_args import WORD_DTYPES, LayerTable, pair_width
+from .rocm import HipRuntime
+from .runtime import DeviceRuntime
 
-WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 TILE_WORDS = 4096  # words a program moves per step: enough in flight to cover PCIe latency
+LAYER_TABLES_KEPT = 64  # device address tables kept per backend: a few device pools, each pair of K/V
 
 
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return config.TRITON_INTERPRET.flag()
 
 
-def _kernel():
+def _kernel() -> Any:
     import triton
     import triton.language as tl
 
@@ -41,13 +46,15 @@ def _kernel():
         word = tl.arange(0, WORDS)
         in_chunk = word < chunk_words
         for start in range(tl.program_id(0) * ITEMS, items, tl.num_programs(0) * ITEMS):
-            item = start + tl.arange(0, ITEMS)
+            # 64-bit before any product: Triton types a small integer argument as
+            # int32, and a pool's offsets pass 2^31 words (layer * host_layer).
+            item = start.to(tl.int64) + tl.arange(0, ITEMS).to(tl.int64)
             live = item < items
             group = item % groups
             token = (item // groups) % tokens
             layer = layer_begin + item // groups // tokens
-            ht = tl.load(host_indices + token, mask=live, other=0)
-            dt = tl.load(device_indices + token, mask=live, other=0)
+            ht = tl.load(host_indices + token, mask=live, other=0).to(tl.int64)
+            dt = tl.load(device_indices + token, mask=live, other=0).to(tl.int64)
             valid = (ht >= 0) & (ht < host_tokens) & (dt >= 0) & (dt < device_tokens)
             tl.store(error_flag + item * 0, 1, mask=live & ~valid)  # the C kernels' bad-index flag
             live = live & valid
@@ -67,7 +74,7 @@ def _kernel():
 _KERNEL = None
 
 
-def kernel():
+def kernel() -> Any:
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _kernel()
@@ -78,6 +85,40 @@ def tile(chunk_words: int) -> tuple[int, int]:
     """(ITEMS, WORDS): WORDS covers one chunk, ITEMS chunks fill a tile."""
     words = 1 << max(0, (chunk_words - 1).bit_length())
     return max(1, TILE_WORDS // words), words
+
+
+class TritonMover(Mover):
+    """The Triton kernel, one launch per tensor (K, V), for one host pool."""
+
+    io = "kernel"
+
+    def __init__(self, backend: TritonBackend) -> None:
+        super().__init__(backend.device)
+        self.backend = backend
+
+    def move(self, transfer: Transfer) -> None:
+        self.bad_index.check()
+        host_indices, device_indices = transfer.indices.on(self.backend.device)
+        for pair in transfer.pairs:
+            self._launch(transfer, pair, host_indices, device_indices)
+
+    def _launch(self, transfer: Transfer, pair: TensorPair, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        s, c = pair.strides, pair.chunks
+        table = self.backend.layer_table(pair.device)
+        word = min(8, pair_width(pair, table))  # Triton's widest integer is 8 bytes
+        items = transfer.tokens * len(transfer.layers) * c.groups
+        ITEMS, WORDS = tile(c.chunk_bytes // word)
+        grid = (max(1, min(self.backend.block_quota * 4, -(-items // ITEMS))),)
+        kernel()[grid](
+            pair.host.view(-1).view(WORD_DTYPES[word]), table.addresses, host_indices, device_indices, self.bad_index.tensor,
+            items, transfer.tokens, transfer.layers.start, c.groups, c.chunk_bytes // word, transfer.page_size,
+            s.page // word, s.token // word, s.layer // word, c.host_group // word,
+            pair.device_token_bytes // word, c.device_group // word, s.tokens, pair.device[0].shape[0],
+            TO_DEVICE=transfer.to_device, ITEMS=ITEMS, WORDS=WORDS, num_warps=8,
+        )
+
+    def close(self) -> None:
+        """Nothing to drop: the layer tables hold device addresses only and stay with the backend."""
 
 
 class TritonBackend(Backend):
@@ -96,50 +137,31 @@ class TritonBackend(Backend):
     def __init__(self) -> None:
         super().__init__()
         self.vendor = "cpu" if self.device.type == "cpu" else ("amd" if getattr(torch.version, "hip", None) else "nvidia")
-        self.block_quota = int(os.environ.get("PORTABLE_KV_BLOCKS", 32 if self.vendor == "amd" else 16))
-        self._tables = IdentityCache(64)
-        self.bad_index = BadIndexFlag(self.device)
+        self.block_quota: int = config.block_quota(self.vendor)
+        # The GPU's own runtime, for what Triton does not do: copy engines, page-locking.
+        self.runtime: DeviceRuntime | None = vendor_runtime(self.vendor, self.device)
+        self._tables: IdentityCache[LayerTable] = IdentityCache(LAYER_TABLES_KEPT)
 
     def _device(self) -> torch.device:
         if torch.cuda.is_available() and not interpreted():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _dma(self) -> Backend:
-        from . import get
+    def movers(self) -> dict[str, MoverFactory]:
+        direct = self.runtime.direct_mover if self.runtime is not None else HostCopyMover
+        return {"kernel": lambda: TritonMover(self), "direct": direct}
 
-        if self.device.type == "cpu":
-            return get("cpu")
-        return get("rocm" if self.vendor == "amd" else "cuda")
+    def layer_table(self, pair_device: Any) -> LayerTable:
+        return self._tables.get(pair_device, lambda: LayerTable(pair_device, self.device))
 
-    def transfer(self, transfer: Transfer, io_backend: str) -> None:
-        self.bad_index.check()
-        if io_backend == "direct":
-            self._dma().transfer(transfer, "direct")
-            return
-        host_indices, device_indices = transfer.indices.on(self.device)
-        for pair in transfer.pairs:
-            self._launch(transfer, pair, host_indices, device_indices)
+    def register_host(self, address: int, nbytes: int) -> int:
+        if self.runtime is None:
+            return address  # the interpreter reads host memory as it is
+        return self.runtime.register_host(address, nbytes)
 
-    def _launch(self, transfer: Transfer, pair: TensorPair, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        s, c = pair.strides, pair.chunks
-        table = self._tables.get(pair.device, lambda: LayerTable(pair.device, self.device))
-        word = min(8, access_width(pair.host.data_ptr(), table.alignment, s.page, s.token, s.layer, c.host_group,
-                                   pair.device_token_bytes, c.device_group, c.chunk_bytes))
-        items = transfer.tokens * len(transfer.layers) * c.groups
-        ITEMS, WORDS = tile(c.chunk_bytes // word)
-        grid = (max(1, min(self.block_quota * 4, -(-items // ITEMS))),)
-        kernel()[grid](
-            pair.host.view(-1).view(WORD_DTYPES[word]), table.addresses, host_indices, device_indices, self.bad_index.tensor,
-            items, transfer.tokens, transfer.layers.start, c.groups, c.chunk_bytes // word, transfer.page_size,
-            s.page // word, s.token // word, s.layer // word, c.host_group // word,
-            pair.device_token_bytes // word, c.device_group // word, s.tokens, pair.device[0].shape[0],
-            TO_DEVICE=transfer.to_device, ITEMS=ITEMS, WORDS=WORDS, num_warps=8,
-        )
-
-    def synchronize(self) -> None:
-        if self.device.type != "cpu":
-            torch.cuda.synchronize(self.device)
+    def unregister_host(self, address: int) -> None:
+        if self.runtime is not None:
+            self.runtime.unregister_host(address)
 
     def describe(self) -> dict[str, str]:
         import triton
@@ -147,7 +169,16 @@ class TritonBackend(Backend):
         return {"triton": triton.__version__, "interpreter": str(interpreted()), "block_quota": str(self.block_quota)}
 
 
-def compile_ahead(target, to_device: bool = True, chunk_words: int = 192) -> dict[str, bytes]:
+def vendor_runtime(vendor: str, device: torch.device) -> DeviceRuntime | None:
+    """The vendor runtime of `device`; None on the CPU."""
+    if vendor == "nvidia":
+        return CudaRuntime(device.index)
+    if vendor == "amd":
+        return HipRuntime(device.index)
+    return None
+
+
+def compile_ahead(target: Any, to_device: bool = True, chunk_words: int = 192) -> dict[str, bytes]:
     """Compile the kernel for a GPUTarget without a GPU (CI proves both vendors' builds this way)."""
     import triton
     from triton.compiler import ASTSource

@@ -138,7 +138,7 @@ def test_direct_over_several_streams_moves_every_chunk(gpu, streams, layout):
     gen = torch.Generator().manual_seed(streams)
     for t in list(dev.k_buffer) + list(dev.v_buffer):
         randomize(t, gen)
-    saved, gpu.dma_streams = gpu.dma_streams, streams
+    saved, gpu.runtime.dma_streams = gpu.runtime.dma_streams, streams
     try:
         src = page_tokens(torch.randperm(64, generator=gen)[:40], P)
         host_idx = page_tokens(torch.randperm(128, generator=gen)[:40], P)
@@ -152,4 +152,4 @@ def test_direct_over_several_streams_moves_every_chunk(gpu, streams, layout):
         for got, want in zip([bits(t) for t in dev.k_buffer + dev.v_buffer], original):
             assert torch.equal(got[dst], want[src])
     finally:
-        gpu.dma_streams = saved
+        gpu.runtime.dma_streams = saved

@@ -26,9 +26,9 @@ def test_pinning_refused_is_a_memory_error_with_the_fix(monkeypatch):
 
 
 def test_host_memory_checked_with_a_reserve_before_allocating(monkeypatch):
-    from portable_kv import pool
+    from portable_kv import host_memory
 
-    monkeypatch.setattr(pool, "_available_host_memory", lambda: 3 << 30)
+    monkeypatch.setattr(host_memory, "_available_host_memory", lambda: 3 << 30)
     dev = pk.DeviceKVPool(1, 32, 4, 1, 8, 8, dtype=torch.float16)
     with pytest.raises(MemoryError, match="2.00 GB requested but 3.22 GB available with 2.15 GB kept in reserve"):
         pk.AsymmetricHostPool(dev, host_size_gb=2.0, io_backend=backends.current().io_backends[0])

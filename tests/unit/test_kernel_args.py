@@ -1,4 +1,4 @@
-"""The kernel path's argument packing, proven on the CPU: backends/gpu.py fills the
+"""The kernel path's argument packing, proven on the CPU: backends/kernel_args.py fills the
 real PkvCopyArgs struct and a Python model of kv_copy.h executes it; every
 layout, shape and index set must move exactly the bytes of the CPU oracle."""
 
@@ -15,8 +15,9 @@ from kvspec import bits
 
 from portable_kv import backends
 from portable_kv.backends import gpu
+from portable_kv.backends import kernel_args as ka
 
-HEADER = Path(gpu.__file__).resolve().parents[1] / "kernels_common" / "kv_copy.h"
+HEADER = Path(ka.__file__).resolve().parents[1] / "kernels_common" / "kv_copy.h"
 
 
 @pytest.fixture
@@ -32,20 +33,20 @@ def test_struct_mirrors_the_header():
     text = HEADER.read_text()
     job_fields = re.findall(r"(?:long long|unsigned long long) ([a-z_, ]+);", text.split("struct PkvCopyArgs")[0].split("struct PkvTensorJob")[1])
     names = [n.strip() for group in job_fields for n in group.split(",")]
-    assert names == [f for f, _ in gpu.TensorJob._fields_]
+    assert names == [f for f, _ in ka.TensorJob._fields_]
     args_part = text.split("struct PkvCopyArgs")[1].split("};")[0]
     names = ["job"] + [n.strip() for group in re.findall(r"(?:long long|unsigned long long) ([a-z_, ]+);", args_part) for n in group.split(",")]
-    assert names == [f for f, _ in gpu.CopyArgs._fields_]
-    assert ctypes.sizeof(gpu.TensorJob) == 13 * 8 and ctypes.sizeof(gpu.CopyArgs) == 2 * 13 * 8 + 9 * 8
-    assert f"#define PKV_BLOCK {gpu.BLOCK}" in text and f"#define PKV_UNROLL {gpu.UNROLL}" in text
+    assert names == [f for f, _ in ka.CopyArgs._fields_]
+    assert ctypes.sizeof(ka.TensorJob) == 13 * 8 and ctypes.sizeof(ka.CopyArgs) == 2 * 13 * 8 + 9 * 8
+    assert f"#define PKV_BLOCK {ka.BLOCK}" in text and f"#define PKV_UNROLL {ka.UNROLL}" in text
 
 
 def test_access_width_and_grid():
-    assert gpu.access_width(1536, 1024, 4096) == 16
-    assert gpu.access_width(48, 16, 6) == 2
-    assert gpu.access_width(3) == 1
-    assert gpu.grid_size(10, 16) == 1
-    assert gpu.grid_size(10**9, 16) == 16
+    assert ka.access_width(1536, 1024, 4096) == 16
+    assert ka.access_width(48, 16, 6) == 2
+    assert ka.access_width(3) == 1
+    assert ka.grid_size(10, 16) == 1
+    assert ka.grid_size(10**9, 16) == 16
 
 
 def test_roundtrip_through_the_kernel_model(simulated):
@@ -59,8 +60,8 @@ def test_roundtrip_through_the_kernel_model(simulated):
         host_idx = torch.tensor([36, 37, 38, 39, 8, 9, 10, 11])
         host.backup_from_device_all_layer(dev, host_idx, src)
         test_transfers.expect_host_rows(host, dev, host_idx, src, range(host.layer_num))
-    width, grid, block = simulated.launches[-1]
-    assert width == 16 and block == gpu.BLOCK and grid == 1
+    width, grid, block = simulated.runtime.launches[-1]
+    assert width == 16 and block == ka.BLOCK and grid == 1
 
 
 def test_bad_index_sets_the_flag_and_copies_nothing_of_it(simulated):
@@ -107,17 +108,18 @@ def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated):
         for h, d in zip(host_idx.tolist(), dev_idx.tolist()):
             assert torch.equal(bits(dev.k_buffer[layer][d]), bits(host.k_buffer[h // 4, layer, h % 4])), f"K layer {layer} token {h}"
             assert torch.equal(bits(dev.v_buffer[layer][d]), bits(host.v_buffer[h // 4, layer, h % 4])), f"V layer {layer} token {h}"
-    assert [grid for _, grid, _ in simulated.launches[-3:]] == [1, 1, 1]
+    assert [grid for _, grid, _ in simulated.runtime.launches[-3:]] == [1, 1, 1]
     simulated.block_quota = 2
     host.load_to_device_per_layer(dev, host_idx, dev_idx, 0)
-    assert simulated.launches[-1][1] == 2, "a new block quota must reach the next launch"
+    assert simulated.runtime.launches[-1][1] == 2, "a new block quota must reach the next launch"
     # A backup of other pages interleaved with the loads keeps a prepared launch of its own.
-    before = list(simulated._local.prepared)
+    mover = simulated.created[-1]
+    before = list(mover._local.prepared)
     host.backup_from_device_per_layer(dev, torch.arange(0, 4), torch.arange(60, 64), 2)
     assert torch.equal(bits(host.k_buffer[0, 2]), bits(dev.k_buffer[2][60:64]))
     dev.k_buffer[1].zero_()
     host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)
     assert torch.equal(bits(dev.k_buffer[1][dev_idx]), bits(host.k_buffer[4:16, 1].reshape(48, *host.k_buffer.shape[-2:])))
-    prepared = simulated._local.prepared
+    prepared = mover._local.prepared
     assert any(launch is before[0] for launch in prepared), "the load's prepared launch was rebuilt after an interleaved backup"
     assert len(prepared) == min(len(before) + 1, gpu.PREPARED_KEPT)

@@ -11,7 +11,9 @@ import pytest
 import torch
 from fake_runtimes import CUDART_SYMBOLS, HIP_SYMBOLS, FakeLib, cpu_device, install_fake_hip
 
-from portable_kv.backends import base, cuda, gpu, rocm
+from portable_kv.backends import base, cuda, dma, rocm
+from portable_kv.backends import kernel_args as ka
+from portable_kv.backends.runtime import MEMCPY_DEFAULT
 from portable_kv.plan import CopyBatch
 
 STREAM = 0x5EED
@@ -26,10 +28,10 @@ def fake_rocm(monkeypatch, tmp_path):
     hip, hiprtc = install_fake_hip(monkeypatch)
     monkeypatch.setenv("PORTABLE_KV_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(rocm.RocmBackend, "_device", cpu_device)
-    monkeypatch.setattr(rocm.RocmBackend, "arch", lambda self: "gfx942:sramecc+:xnack-")
-    monkeypatch.setattr(rocm.RocmBackend, "stream", lambda self: STREAM)
+    monkeypatch.setattr(rocm.HipRuntime, "arch", lambda self: "gfx942:sramecc+:xnack-")
+    monkeypatch.setattr(rocm.HipRuntime, "current_stream", lambda self: STREAM)
     lib = FakeLib(70200000, HIP_SYMBOLS)
-    backend = rocm.RocmBackend(runtime=rocm.HipRuntime(lib))
+    backend = rocm.RocmBackend(runtime=rocm.HipRuntime(lib=lib))
     return backend, hip, hiprtc, lib
 
 
@@ -41,7 +43,7 @@ def test_rocm_compiles_with_hiprtc_for_the_device_arch_and_caches(fake_rocm, mon
     (_, (count, options)), = [c for c in hiprtc.rtc.calls if c[0] == "compile"]
     assert b"--offload-arch=gfx942:sramecc+:xnack-" in options and count == len(options)
     assert hip.calls[0] == ("hipModuleLoadData", hiprtc.rtc.code)
-    assert kernels == {w: 0x1000 + w for w in gpu.KERNEL_WIDTHS}
+    assert kernels == {w: 0x1000 + w for w in ka.KERNEL_WIDTHS}
     # A second process finds the code object in the cache and does not compile.
     again = rocm.RocmBackend(runtime=backend.runtime)
     hiprtc.rtc.calls.clear()
@@ -68,8 +70,8 @@ def test_rocm_kernel_transfer_dispatch(fake_rocm, monkeypatch):
     (name, args), = [c for c in lib.calls if c[0] == "hipModuleLaunchKernel"]
     kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra = args
     assert kernel == 0x1000 + 16 and (gy, gz, by, bz, shared, extra) == (1, 1, 1, 1, 0, None)
-    assert bx == gpu.BLOCK and stream == STREAM and 1 <= gx <= backend.block_quota
-    launch = gpu.CopyArgs.from_address(ctypes.c_void_p.from_address(params).value)
+    assert bx == ka.BLOCK and stream == STREAM and 1 <= gx <= backend.block_quota
+    launch = ka.CopyArgs.from_address(ctypes.c_void_p.from_address(params).value)
     assert (launch.tokens, launch.layer_begin, launch.layers, launch.to_device, launch.page_size) == (64, 2, 1, 1, 16)
     k, v = launch.job[0], launch.job[1]
     assert k.chunk_bytes == 4 * 192 * 2 and v.chunk_bytes == 4 * 128 * 2 and k.groups == v.groups == 1
@@ -81,7 +83,7 @@ def test_rocm_kernel_transfer_dispatch(fake_rocm, monkeypatch):
 
 def test_rocm_batch_is_chunked_at_8192_with_no_attributes(fake_rocm):
     backend, _, _, lib = fake_rocm
-    backend.memcpy_batch(batch(20000), STREAM)
+    backend.runtime.memcpy_batch(batch(20000), STREAM)
     calls = [args for name, args in lib.calls if name == "hipMemcpyBatchAsync"]
     assert [c[3] for c in calls] == [8192, 8192, 3616]
     for _dsts, _srcs, _sizes, _count, attrs, attrs_idxs, num_attrs, fail_idx, stream in calls:
@@ -91,11 +93,11 @@ def test_rocm_batch_is_chunked_at_8192_with_no_attributes(fake_rocm):
 
 def test_rocm_before_7_1_falls_back_to_a_memcpy_loop():
     lib = FakeLib(60400000, HIP_SYMBOLS)
-    runtime = rocm.HipRuntime(lib)
+    runtime = rocm.HipRuntime(lib=lib)
     assert not runtime.has_batch
     runtime.memcpy_batch(batch(5), STREAM)
     calls = [args for name, args in lib.calls if name == "hipMemcpyAsync"]
-    assert len(calls) == 5 and calls[0][2:] == [64, gpu.MEMCPY_DEFAULT, STREAM]
+    assert len(calls) == 5 and calls[0][2:] == [64, MEMCPY_DEFAULT, STREAM]
 
 
 def test_rocm_missing_hip_python_says_how_to_install(monkeypatch):
@@ -189,10 +191,10 @@ def test_nvcc_missing_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_split_even_covers_every_descriptor_once():
     b = batch(1001)
-    pieces = gpu.split_even(b, 3)
+    pieces = dma.split_even(b, 3)
     assert len(pieces) == 3 and sum(len(p) for p in pieces) == 1001
     assert np.array_equal(np.concatenate([p.dst for p in pieces]), b.dst)
-    assert gpu.split_even(batch(3), 2)[0] is not None and len(gpu.split_even(batch(3), 2)) == 1
+    assert dma.split_even(batch(3), 2)[0] is not None and len(dma.split_even(batch(3), 2)) == 1
 
 
 @pytest.mark.parametrize("module,lib_version,symbols,prefix", [
@@ -201,7 +203,7 @@ def test_split_even_covers_every_descriptor_once():
 ])
 def test_host_registration_is_portable_and_mapped(module, lib_version, symbols, prefix):
     lib = FakeLib(lib_version, symbols)
-    runtime = module.CudaRuntime(lib=lib) if prefix == "cuda" else module.HipRuntime(lib)
+    runtime = module.CudaRuntime(lib=lib) if prefix == "cuda" else module.HipRuntime(lib=lib)
     runtime.register_host(1 << 20, 4096)
     runtime.unregister_host(1 << 20)
     names = [name for name, _ in lib.calls if "Host" in name]

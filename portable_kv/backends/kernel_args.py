@@ -1,0 +1,147 @@
+"""What a copy kernel is given: the ctypes mirrors of kv_copy.h's structs, the per-pool
+job templates, prepared launches, the access width and the grid.  The C kernels take
+the structs; the Triton kernel takes the same numbers as scalars.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..plan import IndexPair, TensorPair, Transfer
+
+KERNEL_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; one entry point each (kv_copy.h)
+BLOCK = 512  # threads per block: PKV_BLOCK in kv_copy.h
+UNROLL = 4  # vectors in flight per thread: PKV_UNROLL in kv_copy.h
+# Integer dtypes of each element width: moves are bit copies, and integer views of
+# the same width serve every dtype (float8 included, whose CPU index ops torch lacks).
+WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class TensorJob(ctypes.Structure):
+    """Mirror of PkvTensorJob (kernels_common/kv_copy.h)."""
+
+    _fields_ = [
+        ("host_base", ctypes.c_uint64),
+        ("device_layers", ctypes.c_uint64),
+        ("host_page", ctypes.c_int64),
+        ("host_token", ctypes.c_int64),
+        ("host_layer", ctypes.c_int64),
+        ("host_group", ctypes.c_int64),
+        ("device_token", ctypes.c_int64),
+        ("device_group", ctypes.c_int64),
+        ("host_tokens", ctypes.c_int64),
+        ("device_tokens", ctypes.c_int64),
+        ("chunk_bytes", ctypes.c_int64),
+        ("groups", ctypes.c_int64),
+        ("vec_begin", ctypes.c_int64),
+    ]
+
+
+class CopyArgs(ctypes.Structure):
+    """Mirror of PkvCopyArgs: the kernel's one by-value parameter."""
+
+    _fields_ = [
+        ("job", TensorJob * 2),
+        ("host_indices", ctypes.c_uint64),
+        ("device_indices", ctypes.c_uint64),
+        ("error_flag", ctypes.c_uint64),
+        ("tokens", ctypes.c_int64),
+        ("page_size", ctypes.c_int64),
+        ("layer_begin", ctypes.c_int64),
+        ("layers", ctypes.c_int64),
+        ("total_vecs", ctypes.c_int64),
+        ("to_device", ctypes.c_int64),
+    ]
+
+
+def access_width(*values: int) -> int:
+    """The widest access (16, 8, 4, 2 or 1 bytes) that every address and size is aligned to."""
+    common = math.gcd(*values) if values else 16
+    return next(w for w in KERNEL_WIDTHS if common % w == 0)
+
+
+def pair_width(pair: TensorPair, table: LayerTable) -> int:
+    """The widest access every address and stride of one of K or V is aligned to."""
+    s, c = pair.strides, pair.chunks
+    return access_width(pair.host.data_ptr(), table.alignment, s.page, s.token, s.layer, c.host_group,
+                        pair.device_token_bytes, c.device_group, c.chunk_bytes)
+
+
+def grid_size(total_vecs: int, block_quota: int) -> int:
+    """A persistent grid: no more blocks than the quota, none without work."""
+    return max(1, min(block_quota, -(-total_vecs // (BLOCK * UNROLL))))
+
+
+class LayerTable:
+    """Per-layer base addresses of an engine's device buffers, resident on the device.
+
+    It holds device addresses only, no host pool memory: a backend may keep it."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> None:
+        addresses = [t.data_ptr() for t in buffers]
+        self.addresses = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.alignment = math.gcd(*addresses)
+
+
+class JobTemplate:
+    """The kernel arguments that depend only on the host pool and the device buffers."""
+
+    def __init__(self, pairs: tuple[TensorPair, TensorPair], tables: Sequence[LayerTable]) -> None:
+        self.tables = tuple(tables)  # keeps the address tables alive while the template is in use
+        self.width = math.gcd(*(pair_width(pair, table) for pair, table in zip(pairs, tables)))
+        self.jobs: list[dict[str, int]] = []
+        self.vecs_per_row: list[int] = []  # vectors per (token, layer)
+        for pair, table in zip(pairs, tables):
+            s, c = pair.strides, pair.chunks
+            self.jobs.append(dict(
+                host_base=pair.host.data_ptr(), device_layers=table.addresses.data_ptr(),
+                host_page=s.page, host_token=s.token, host_layer=s.layer, host_group=c.host_group,
+                device_token=pair.device_token_bytes, device_group=c.device_group,
+                host_tokens=s.tokens, device_tokens=pair.device[0].shape[0],
+                chunk_bytes=c.chunk_bytes, groups=c.groups,
+            ))
+            self.vecs_per_row.append(c.groups * c.chunk_bytes // self.width)
+
+    def write(self, args: CopyArgs) -> None:
+        for job, fields in zip(args.job, self.jobs):
+            for name, value in fields.items():
+                setattr(job, name, value)
+        args.job[0].vec_begin = 0
+
+
+class PreparedLaunch:
+    """A kernel launch ready to go but for its layer: the struct the kernel takes
+    by value (the launch copies it at the call, so it may change after)."""
+
+    def __init__(self, transfer: Transfer, template: JobTemplate, error_flag: int, block_quota: int) -> None:
+        # The pairs and indices are held, not only compared: the struct points at the
+        # host buffers and at the index copies on the device.
+        self.pairs: tuple[TensorPair, TensorPair] = transfer.pairs
+        self.indices: IndexPair = transfer.indices
+        self.to_device, self.layers, self.quota = transfer.to_device, len(transfer.layers), block_quota
+        self.template = template  # keeps the layer tables alive
+        self.width = template.width
+        self.args = CopyArgs()
+        template.write(self.args)
+        args = self.args
+        args.error_flag = error_flag
+        rows = transfer.tokens * len(transfer.layers)
+        args.job[1].vec_begin = rows * template.vecs_per_row[0]
+        args.total_vecs = rows * (template.vecs_per_row[0] + template.vecs_per_row[1])
+        host_indices, device_indices = transfer.indices.on(template.tables[0].addresses.device)
+        args.host_indices, args.device_indices = host_indices.data_ptr(), device_indices.data_ptr()
+        args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)
+        args.page_size = transfer.page_size
+        args.to_device = transfer.to_device
+        self.grid = grid_size(args.total_vecs, block_quota)
+        self._param_array = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+        self.params = ctypes.addressof(self._param_array)
+        self.kernel = 0  # the entry point of self.width, set by the mover
+
+    def matches(self, transfer: Transfer, block_quota: int) -> bool:
+        return (self.pairs is transfer.pairs and self.indices is transfer.indices and self.to_device == transfer.to_device
+                and self.layers == len(transfer.layers) and self.quota == block_quota)

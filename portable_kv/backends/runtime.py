@@ -1,0 +1,200 @@
+"""A vendor's device runtime, the part CUDA and ROCm share: the one error type, the
+one error helper, and the ctypes calls whose only difference is a name prefix.
+
+cuda.py and rocm.py each subclass DeviceRuntime with the same methods in the
+same order (compile and load through the vendor's binding, launch, the batched
+memcpy's signature, bind_thread).  The two per-call hot paths stay ctypes: a
+launch costs ~6 us that way against ~9 through cuda-python's wrapper, and the
+batched memcpy takes numpy's pointer arrays, which the Python bindings convert
+element by element (hip-python cannot take a sizes array at all).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import config
+from ..plan import CopyBatch
+from .base import Mover
+from .dma import DmaMover, split_batch
+from .jit import KernelSpec
+
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault = hipMemcpyDefault: direction from the addresses
+REGISTER_FLAGS = 3  # Portable | Mapped, the same bits for cudaHostRegister and hipHostRegister
+
+
+class DeviceError(RuntimeError):
+    """A driver or runtime call failed: `call` is the function, `code` its return code,
+    `name` the vendor's name for it (cudaErrorInvalidValue, hipErrorNotSupported, ...)."""
+
+    def __init__(self, call: str, code: int, name: str) -> None:
+        super().__init__(f"{call} failed: {name} ({code})")
+        self.call, self.code, self.name = call, code, name
+
+
+def check(result: Any, call: str, error_name: Callable[[int], str] | None = None) -> Any:
+    """Unwrap a binding's (error, *values) tuple, or a bare return code; DeviceError on failure.
+
+    The bindings' error enums carry their name; a bare ctypes code is named by
+    `error_name` (the runtime's GetErrorName)."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    code = int(err)
+    if code != 0:
+        name = error_name(code) if error_name is not None else getattr(err, "name", str(code))
+        raise DeviceError(call, code, name)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+class DeviceRuntime(ABC):
+    """One GPU's runtime: code objects, launches, batched copies, host registration."""
+
+    prefix: str  # "cuda" | "hip": the runtime library's symbol prefix
+    code_suffix: str  # "cubin" | "hsaco"
+    kernel_source: Path  # the vendor's kv_copy source
+    batch_min_version: int  # first runtime version with <prefix>MemcpyBatchAsync
+    max_batch: int | None = None  # descriptors per batched memcpy call
+
+    def __init__(self, lib: Any, device_index: int) -> None:
+        self.lib = lib
+        self.device_index = device_index
+        version = ctypes.c_int()
+        self._fn("RuntimeGetVersion")(ctypes.byref(version))
+        self.version: int = version.value
+        self.has_batch: bool = self.version >= self.batch_min_version and hasattr(lib, f"{self.prefix}MemcpyBatchAsync")
+        self.fail_index = ctypes.c_size_t(0)
+        # Streams one batched DMA transfer is spread over: each can drive its own copy
+        # engine. H200, page 64: 41.5 GB/s on 1 stream, 45.4 on 2, 55.5 on 4 (docs/PERFORMANCE.md).
+        self.dma_streams: int = config.DMA_STREAMS.integer(minimum=1) or 1
+        self._bound = threading.local()
+
+    def _fn(self, name: str) -> Any:
+        return getattr(self.lib, self.prefix + name)
+
+    def error_name(self, code: int) -> str:
+        name = self._fn("GetErrorName")
+        name.restype = ctypes.c_char_p
+        return name(code).decode()
+
+    # -- code objects (the vendor's binding) ---------------------------------------------
+
+    @abstractmethod
+    def arch(self) -> str:
+        """The device's code-object target: "sm_90", "gfx942:sramecc+:xnack-", ..."""
+
+    @abstractmethod
+    def compiler(self) -> str:
+        """The run-time compiler and its version ("nvrtc 13.0"): part of the cache key."""
+
+    @abstractmethod
+    def compile(self, spec: KernelSpec) -> bytes:
+        """Compile `spec` at run time (NVRTC | hiprtc)."""
+
+    @abstractmethod
+    def load(self, image: bytes) -> dict[int, int]:
+        """Load a code object; return the entry point of each access width."""
+
+    def kernel_spec(self) -> KernelSpec:
+        """The copy kernel for this device: sources, arch and compiler decide the code object."""
+        return KernelSpec.for_source(self.kernel_source, self.arch(), self.compiler(), self.code_suffix)
+
+    def code_object(self) -> bytes:
+        """The copy kernel's code object: prebuilt, cached or compiled now (jit.py)."""
+        return self.kernel_spec().build(self.compile)
+
+    # -- per call (ctypes) -----------------------------------------------------------------
+
+    @abstractmethod
+    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
+        """Launch with `params` the address of the kernel's void* argument array."""
+
+    @abstractmethod
+    def batch_call(self, batch: CopyBatch, stream: int) -> int:
+        """One batched memcpy call; returns the runtime's error code."""
+
+    def current_stream(self) -> int:
+        """The handle of the device's current torch stream: transfers are ordered on it."""
+        return _raw_stream(self.device_index)
+
+    def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
+        """Enqueue every chunk of `batch` on `stream` (never the legacy default stream)."""
+        for piece in split_batch(batch, self.max_batch):
+            if self.has_batch:
+                check(self.batch_call(piece, stream), f"{self.prefix}MemcpyBatchAsync", self.error_name)
+                continue
+            copy = self._fn("MemcpyAsync")
+            for dst, src, size in zip(piece.dst.tolist(), piece.src.tolist(), piece.sizes.tolist()):
+                code = copy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(size), MEMCPY_DEFAULT, ctypes.c_void_p(stream))
+                check(code, f"{self.prefix}MemcpyAsync", self.error_name)
+
+    def direct_mover(self) -> Mover:
+        """A new copy-engine mover over this runtime, for one host pool."""
+        return DmaMover(self)
+
+    # -- host memory ---------------------------------------------------------------------
+
+    def register_host(self, address: int, nbytes: int) -> int:
+        """Page-lock and map [address, address + nbytes); returns the device address of it."""
+        code = self._fn("HostRegister")(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), REGISTER_FLAGS)
+        check(code, f"{self.prefix}HostRegister", self.error_name)
+        device = ctypes.c_void_p()
+        code = self._fn("HostGetDevicePointer")(ctypes.byref(device), ctypes.c_void_p(address), 0)
+        check(code, f"{self.prefix}HostGetDevicePointer", self.error_name)
+        return device.value or 0
+
+    def unregister_host(self, address: int) -> None:
+        check(self._fn("HostUnregister")(ctypes.c_void_p(address)), f"{self.prefix}HostUnregister", self.error_name)
+
+    # -- threads -------------------------------------------------------------------------
+
+    def bind_thread(self) -> None:
+        """Make the device's context current on the calling thread, once per thread."""
+        if getattr(self._bound, "done", False):
+            return
+        self._bind()
+        self._bound.done = True
+
+    @abstractmethod
+    def _bind(self) -> None: ...
+
+    def describe(self) -> dict[str, str]:
+        return {f"{self.prefix} runtime": self.version_text(), "direct": f"{self.prefix}MemcpyBatchAsync" if self.has_batch else f"{self.prefix}MemcpyAsync loop"}
+
+    @abstractmethod
+    def version_text(self) -> str: ...
+
+
+def find_loaded_library(stem: str) -> str | None:
+    """The path of an already-loaded shared library (torch's own runtime), by file-name stem."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                if Path(path).name.startswith(stem + ".so"):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def as_pointer_array(values: np.ndarray) -> int:
+    """The address of a contiguous uint64 array, for ctypes calls taking void** / size_t*."""
+    assert values.dtype == np.uint64 and values.flags.c_contiguous
+    return values.ctypes.data
+
+
+def _raw_stream(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # ~0.3 us where the public call takes a few
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811

@@ -1,0 +1,102 @@
+"""What the storage tests share: pools filled with random bytes, page bytes, unique keys, the Mooncake skip."""
+
+from __future__ import annotations
+
+import importlib.util
+import uuid
+
+import pytest
+import torch
+from kvspec import bits, page_tokens, randomize
+
+import portable_kv as pk
+from portable_kv import storage
+from portable_kv.layout import canonical_view
+from portable_kv.storage.master import master_binary
+
+MOONCAKE_MISSING = importlib.util.find_spec("mooncake") is None or master_binary() is None
+needs_mooncake = pytest.mark.skipif(MOONCAKE_MISSING, reason="Mooncake is not installed (pip install 'portable-kv[mooncake]'; its binaries need libibverbs1)")
+
+
+def make_host(layout: str = "page_first_direct", dtype: torch.dtype = torch.bfloat16, *, layers: int = 3, tokens: int = 64, page_size: int = 8,
+              k_heads: int = 2, k_dim: int = 24, v_heads: int = 2, v_dim: int = 16, seed: int = 0, io: str = "direct", device: str | None = None):
+    """A device pool and a host pool twice its size, both filled with random bytes (NaNs included)."""
+    dev = pk.DeviceKVPool(layers, tokens, page_size, k_heads, k_dim, v_dim, v_heads=v_heads, dtype=dtype, device=device)
+    host = pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io)
+    gen = torch.Generator().manual_seed(seed)
+    for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+        randomize(t, gen)
+    return dev, host
+
+
+def page_bytes(host, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes of one host page, K and V, in the canonical (token, layer, head, dim) order."""
+    return tuple(bits(canonical_view(b, host.layout, host.page_size)[page]) for b in (host.k_buffer, host.v_buffer))
+
+
+def unique_keys(n: int) -> list[str]:
+    """Fresh keys: objects outlive a test (Mooncake keeps them, and leases them ~10 s after a get)."""
+    return [uuid.uuid4().hex for _ in range(n)]
+
+
+def open_store(kind: str, host, tmp_path, master=None, **namespace):
+    """A LocalStore under tmp_path, or a MooncakeStore on the given master contributing a small segment."""
+    if kind == "local":
+        return storage.LocalStore(host, tmp_path / "pages", **namespace)
+    return storage.MooncakeStore(host, master=master.address, segment_size_gb=namespace.pop("segment_size_gb", 0.0625), **namespace)
+
+
+def pool_bytes(host) -> list[torch.Tensor]:
+    return [bits(host.k_buffer).clone(), bits(host.v_buffer).clone()]
+
+
+def changed_pages(host, before: list[torch.Tensor]) -> set[int]:
+    """Host pages whose K or V bytes differ from `before` (pool_bytes taken earlier)."""
+    changed = set()
+    for buffer, old in zip((host.k_buffer, host.v_buffer), before):
+        now, was = (canonical_view(b, host.layout, host.page_size) for b in (bits(buffer), old))
+        diff = (now != was).reshape(now.shape[0], -1).any(dim=1)
+        changed |= set(torch.nonzero(diff).flatten().tolist())
+    return changed
+
+
+def device_tokens(dev, tokens: torch.Tensor) -> list[bytes]:
+    """The bytes of the given device tokens, all layers, K then V."""
+    return [bits(torch.stack([layer[tokens.to(layer.device)] for layer in side])).numpy().tobytes() for side in (dev.k_buffer, dev.v_buffer)]
+
+
+# Two processes, each with its own device and host pool: the writer backs device pages up and puts
+# them, the reader gets them into its host pool and loads them to its device.  Spawned, so they run
+# at module level; each answers on its queue and waits (bounded) for the parent.
+
+
+def writer(backend: str, io: str, layout: str, master: str, keys: list[str], answer, done) -> None:
+    from portable_kv import backends
+
+    backends.use(backend)
+    dev, host = make_host(layout, io=io, seed=1, tokens=128, page_size=16, k_heads=4, k_dim=192, v_heads=4, v_dim=128)
+    dev_pages, host_pages = torch.tensor([5, 1, 6, 2]), torch.tensor([9, 3, 12, 0])
+    host.backup_from_device_all_layer(dev, page_tokens(host_pages, 16), page_tokens(dev_pages, 16))
+    backends.current().synchronize()
+    source = device_tokens(dev, page_tokens(dev_pages, 16))
+    with storage.MooncakeStore(host, master=master, segment_size_gb=0.0625, model_name="org/model") as store:
+        answer.put((store.put(keys, page_tokens(host_pages, 16)), source))
+        # The pages live in this process's segment: stay until the reader has them.
+        done.wait(timeout=120)
+    host.close()
+
+
+def reader(backend: str, io: str, layout: str, master: str, keys: list[str], answer) -> None:
+    from portable_kv import backends
+
+    backends.use(backend)
+    dev, host = make_host(layout, io=io, seed=2, tokens=128, page_size=16, k_heads=4, k_dim=192, v_heads=4, v_dim=128)
+    host_pages, dev_pages = torch.tensor([2, 14, 7, 4]), torch.tensor([0, 7, 3, 4])
+    with storage.MooncakeStore(host, master=master, segment_size_gb=0, model_name="org/model") as store:
+        hits = store.exists(keys)
+        arrived = store.get(keys, page_tokens(host_pages, 16))
+    host.load_to_device_all_layer(dev, page_tokens(host_pages, 16), page_tokens(dev_pages, 16))
+    backends.current().synchronize()
+    loaded = device_tokens(dev, page_tokens(dev_pages, 16))
+    host.close()
+    answer.put((hits, arrived, loaded))

@@ -1,0 +1,192 @@
+"""Both stores against the contract (docs/API.md, "Storage tier (L3)"): every layout x dtype, bit-exact,
+SGLang's object names and page bytes, per-page results, and bad input refused before any byte moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvspec import DTYPES, bits
+from storekit import MOONCAKE_MISSING, changed_pages, make_host, open_store, page_bytes, page_tokens, pool_bytes, unique_keys
+
+from portable_kv import storage
+from portable_kv.layout import LAYOUTS
+
+STORES = ["local", pytest.param("mooncake", marks=pytest.mark.skipif(MOONCAKE_MISSING, reason="Mooncake is not installed"))]
+
+
+@pytest.fixture(params=STORES)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture
+def store_master(kind, request):
+    return request.getfixturevalue("master") if kind == "mooncake" else None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_roundtrip_is_bit_exact(kind, opened, layout, dtype):
+    host, store = opened(kind, layout, dtype)
+    sources, targets = [1, 5, 2], [7, 0, 3]
+    expected = [page_bytes(host, p) for p in sources]
+    keys = unique_keys(3)
+    assert store.put(keys, page_tokens(torch.tensor(sources), host.page_size)) == [True] * 3
+    assert store.exists(keys) == 3
+    before = pool_bytes(host)
+    assert store.get(keys, page_tokens(torch.tensor(targets), host.page_size)) == [True] * 3
+    for page, (k, v) in zip(targets, expected):
+        got_k, got_v = page_bytes(host, page)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v), f"page {page}"
+    assert changed_pages(host, before) <= set(targets)
+
+
+def test_missing_key_in_a_batch(kind, opened):
+    host, store = opened(kind)
+    keys = unique_keys(4)
+    stored = [keys[0], keys[2]]
+    assert store.put(stored, page_tokens(torch.tensor([1, 2]), host.page_size)) == [True, True]
+    assert store.exists(keys) == 1
+    assert store.exists(keys[2:3]) == 1
+    expected = [page_bytes(host, 1), page_bytes(host, 2)]
+    before = pool_bytes(host)
+    assert store.get(keys[:3], page_tokens(torch.tensor([10, 11, 12]), host.page_size)) == [True, False, True]
+    assert changed_pages(host, before) == {10, 12}
+    for page, (k, v) in zip((10, 12), expected):
+        assert torch.equal(page_bytes(host, page)[0], k) and torch.equal(page_bytes(host, page)[1], v)
+
+
+def test_a_stored_key_is_not_written_again(kind, opened):
+    host, store = opened(kind)
+    keys = unique_keys(2)
+    assert store.put(keys[:1], page_tokens(torch.tensor([1]), host.page_size)) == [True]
+    first = page_bytes(host, 1)
+    assert store.put(keys, page_tokens(torch.tensor([4, 5]), host.page_size)) == [True, True]
+    assert store.get(keys[:1], page_tokens(torch.tensor([9]), host.page_size)) == [True]
+    assert all(torch.equal(a, b) for a, b in zip(page_bytes(host, 9), first))
+
+
+def test_object_names_are_sglangs(tmp_path):
+    _, host = make_host()
+    assert storage.LocalStore(host, tmp_path).object_names(["abc"]) == ["abc_0"]
+    assert storage.LocalStore(host, tmp_path, model_name="org/sub/model", tp_rank=3).object_names(["abc"]) == ["org-sub-model_abc_3"]
+    assert storage.LocalStore(host, tmp_path, model_name="m", tp_rank=1, pp_rank=2, backend_tag="tag").object_names(["abc"]) == ["tag_m_abc_1_2"]
+
+
+def test_model_and_rank_are_part_of_the_key(kind, store_master, tmp_path):
+    _, host = make_host()
+    keys = unique_keys(2)
+    with open_store(kind, host, tmp_path, store_master, model_name="org/a", tp_rank=0) as store:
+        assert store.put(keys, page_tokens(torch.tensor([1, 2]), host.page_size)) == [True, True]
+        assert store.exists(keys) == 2
+    for other in ({"model_name": "org/b", "tp_rank": 0}, {"model_name": "org/a", "tp_rank": 1}, {"model_name": "org/a", "tp_rank": 0, "pp_rank": 0}):
+        with open_store(kind, host, tmp_path, store_master, **other) as store:
+            assert store.exists(keys) == 0, other
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stored_bytes_are_the_flat_page(kind, opened, layout):
+    """What a store holds for a page is SGLang's flat page of this layout: K block then V block."""
+    host, store = opened(kind, layout)
+    key = unique_keys(1)
+    assert store.put(key, page_tokens(torch.tensor([3]), host.page_size)) == [True]
+    name = store.object_names(key)[0]
+    flat = bits(host.get_data_page(3 * host.page_size, flat=True))
+    if kind == "local":
+        stored = (store.path / f"{name}.bin").read_bytes()
+    else:
+        stored = _raw_objects(store.master, [f"{name}_k", f"{name}_v"], [store.k_page_bytes, store.v_page_bytes])
+    assert stored == flat.numpy().tobytes()
+
+
+def _raw_objects(master: str, objects: list[str], sizes: list[int]) -> bytes:
+    """Objects read by a bare Mooncake client, as SGLang's backend reads them."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
+    buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
+    assert client.register_buffer(buffer.data_ptr(), buffer.numel()) == 0
+    offsets = [0, sizes[0]]
+    try:
+        assert client.batch_get_into(objects, [buffer.data_ptr() + o for o in offsets], sizes) == sizes
+    finally:
+        client.unregister_buffer(buffer.data_ptr())
+        client.close()
+    return buffer.numpy().tobytes()
+
+
+BAD_CALLS = [
+    ("keys", lambda P: ("abc", page_tokens(torch.tensor([1]), P)), TypeError),
+    ("keys", lambda P: (["a", ""], page_tokens(torch.tensor([1, 2]), P)), TypeError),
+    ("keys", lambda P: (["a", 7], page_tokens(torch.tensor([1, 2]), P)), TypeError),
+    ("host_indices", lambda P: (["a", "b"], page_tokens(torch.tensor([1]), P)), ValueError),
+    ("host_indices", lambda P: (["a"], torch.tensor([1])), ValueError),
+    ("host_indices", lambda P: (["a"], page_tokens(torch.tensor([1]), P) + 1), ValueError),
+    ("host_indices", lambda P: (["a"], page_tokens(torch.tensor([1]), P).flip(0)), ValueError),
+    ("host_indices", lambda P: (["a"], page_tokens(torch.tensor([16]), P)), ValueError),
+    ("host_indices", lambda P: (["a"], page_tokens(torch.tensor([-1]), P)), ValueError),
+    ("host_indices", lambda P: (["a"], page_tokens(torch.tensor([1]), P).float()), TypeError),
+    ("host_indices", lambda P: (["a"], page_tokens(torch.tensor([1]), P).view(1, -1)), TypeError),
+    ("host_indices", lambda P: (["a"], "0-8"), TypeError),
+]
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+@pytest.mark.parametrize("name,call,error", BAD_CALLS, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_CALLS)])
+def test_bad_input_is_refused_before_any_byte_moves(kind, opened, op, name, call, error):
+    host, store = opened(kind)
+    keys, indices = call(host.page_size)
+    if isinstance(keys, list) and all(isinstance(k, str) and k for k in keys):
+        keys = [f"{k}-{op}-{name}-{hash(str(indices))}" for k in keys]
+    before = pool_bytes(host)
+    with pytest.raises(error, match=name):
+        getattr(store, op)(keys, indices)
+    assert changed_pages(host, before) == set()
+    if isinstance(keys, list) and all(isinstance(k, str) and k for k in keys):
+        assert store.exists(keys) == 0
+
+
+def test_a_get_names_each_destination_once(kind, opened):
+    host, store = opened(kind)
+    keys = unique_keys(2)
+    assert store.put(keys, page_tokens(torch.tensor([1, 2]), host.page_size)) == [True, True]
+    before = pool_bytes(host)
+    with pytest.raises(ValueError, match="host_indices: a page is named twice"):
+        store.get(keys, page_tokens(torch.tensor([5, 5]), host.page_size))
+    assert changed_pages(host, before) == set()
+
+
+def test_empty_batches_and_closing(kind, store_master, tmp_path):
+    _, host = make_host()
+    store = open_store(kind, host, tmp_path, store_master)
+    assert store.exists([]) == 0
+    assert store.put([], torch.empty(0, dtype=torch.int64)) == []
+    assert store.get([], []) == []
+    store.close()
+    store.close()
+    with pytest.raises(ValueError, match="closed"):
+        store.put(["a"], page_tokens(torch.tensor([1]), host.page_size))
+
+
+def test_a_store_refuses_a_closed_host_pool(kind, store_master, tmp_path):
+    _, host = make_host()
+    with open_store(kind, host, tmp_path, store_master) as store:
+        host.close()
+        with pytest.raises(ValueError, match="host pool was closed"):
+            store.get(["a"], page_tokens(torch.tensor([1]), 8))
+    with pytest.raises(ValueError, match="host: the pool is closed"):
+        open_store(kind, host, tmp_path, store_master)
+
+
+def test_constructor_arguments_are_checked(tmp_path):
+    _, host = make_host()
+    with pytest.raises(TypeError, match="host: expected an AsymmetricHostPool"):
+        storage.LocalStore(object(), tmp_path)
+    with pytest.raises(ValueError, match="tp_rank"):
+        storage.LocalStore(host, tmp_path, tp_rank=-1)
+    with pytest.raises(TypeError, match="model_name"):
+        storage.LocalStore(host, tmp_path, model_name=None)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="path: expected a directory"):
+        storage.LocalStore(host, tmp_path / "file")

@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from . import backends
-from .backends.base import IO_BACKENDS, Backend
-from typing import Any as Mover
+from .backends.base import IO_BACKENDS, Backend, Mover
 from .device_pool import DeviceGeometry, DeviceKVPool, device_geometry, positive_int
 from .host_memory import HOST_MEMORY, HostMemory, check_available, itemsize
 from .layout import LAYOUTS, check_layout, host_shape
@@ -64,7 +63,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._geometry = geometry
         self.page_size = positive_int("device_pool.page_size", getattr(device_pool, "page_size", 0))
         self.layer_num, self.dtype = geometry.layers, geometry.dtype
-        _check_dtype(self.backend, self.dtype)
+        self.backend.check_dtype(self.dtype)
         self.validate = bool(validate)
         token_bytes = self.layer_num * (geometry.k_heads * geometry.k_dim + geometry.v_heads * geometry.v_dim) * itemsize(self.dtype)
         tokens = _host_tokens(host_to_device_ratio, host_size_gb, geometry.tokens, token_bytes)
@@ -89,9 +88,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._binding: Binding | None = None
         self._movers: dict[str, Mover] = {}
         self._mover(self.io_backend)
-        init_allocator = getattr(self, "_init_allocator", None)
-        if init_allocator is not None:
-            init_allocator()
+        self._init_allocator()
 
     def _check_io(self, io_backend: str) -> str:
         if io_backend not in IO_BACKENDS:
@@ -114,7 +111,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         """This pool's mover for an io path: made once, owning the pool's launch caches."""
         mover = self._movers.get(io)
         if mover is None:
-            mover = self._movers[io] = self.backend.mover(io) if hasattr(self.backend, "mover") else _TransferShim(self.backend, io)
+            mover = self._movers[io] = self.backend.mover(io)
         return mover
 
     # -- transfers (docs/API.md) ---------------------------------------------------------
@@ -244,28 +241,9 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         )
 
 
-class _TransferShim:
-    def __init__(self, backend, io):
-        self.backend, self.io = backend, io
-
-    def move(self, transfer):
-        self.backend.transfer(transfer, self.io)
-
-    def close(self):
-        pass
-
-
 def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
     # type() first: isinstance against the Sequence ABC costs a microsecond a call.
     return (type(given) in (list, tuple) or isinstance(given, Sequence)) and len(given) == len(bound) and all(map(operator.is_, given, bound))
-
-
-def _check_dtype(backend: Backend, dtype: torch.dtype) -> None:
-    if dtype.is_complex or itemsize(dtype) not in (1, 2, 4, 8):
-        raise TypeError(f"dtype: expected a real dtype of 1, 2, 4 or 8 bytes (the copies move whole elements), got {dtype}")
-    check = getattr(backend, "check_dtype", None)
-    if check is not None:
-        check(dtype)
 
 
 def _host_tokens(ratio: Any, host_size_gb: Any, device_tokens: int, token_bytes: int) -> int:

@@ -48,13 +48,13 @@ def _kernel() -> Any:
         for start in range(tl.program_id(0) * ITEMS, items, tl.num_programs(0) * ITEMS):
             # 64-bit before any product: Triton types a small integer argument as
             # int32, and a pool's offsets pass 2^31 words (layer * host_layer).
-            item = start.to(tl.int64) + tl.arange(0, ITEMS).to(tl.int64)
+            item = tl.arange(0, ITEMS).to(tl.int64) + start
             live = item < items
             group = item % groups
             token = (item // groups) % tokens
             layer = layer_begin + item // groups // tokens
-            ht = tl.load(host_indices + token, mask=live, other=0).to(tl.int64)
-            dt = tl.load(device_indices + token, mask=live, other=0).to(tl.int64)
+            ht = tl.load(host_indices + token, mask=live, other=0)
+            dt = tl.load(device_indices + token, mask=live, other=0)
             valid = (ht >= 0) & (ht < host_tokens) & (dt >= 0) & (dt < device_tokens)
             tl.store(error_flag + item * 0, 1, mask=live & ~valid)  # the C kernels' bad-index flag
             live = live & valid

@@ -12,7 +12,9 @@
 //   pkv_vec16                    a 16-byte vector type
 //   pkv_load_stream(const T*)    a load that does not keep the line in cache
 //   pkv_store_stream(T*, T)      a store that does not keep the line in cache
-// Both structs below are mirrored field for field by backends/gpu.py.
+// Both structs below are mirrored field for field by backends/kernel_args.py.
+// Every offset is 64-bit (long long): a host pool passes 2^31 bytes, and a
+// product such as layer * host_layer passes it long before the pool ends.
 
 #define PKV_BLOCK 512
 #ifndef PKV_UNROLL

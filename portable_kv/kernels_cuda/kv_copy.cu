@@ -11,8 +11,4 @@ __device__ __forceinline__ T pkv_load_stream(const T* p) { return __ldcs(p); }
 template <typename T>
 __device__ __forceinline__ void pkv_store_stream(T* p, T v) { __stcs(p, v); }
 
-#ifdef PKV_COMMON_HEADER  // A/B runs (scripts/kernel_variants.py --baseline) build an earlier algorithm
-#include PKV_COMMON_HEADER
-#else
 #include "kv_copy.h"
-#endif

@@ -67,10 +67,10 @@ def device_tokens(dev, tokens: torch.Tensor) -> list[bytes]:
 
 # Two processes, each with its own device and host pool: the writer backs device pages up and puts
 # them, the reader gets them into its host pool and loads them to its device.  Spawned, so they run
-# at module level; each answers on its queue and waits (bounded) for the parent.
+# at module level and start together; each answers on its queue, and every wait is bounded.
 
 
-def writer(backend: str, io: str, layout: str, master: str, keys: list[str], answer, done) -> None:
+def writer(backend: str, io: str, layout: str, master: str, keys: list[str], answer, stored, done) -> None:
     from portable_kv import backends
 
     backends.use(backend)
@@ -81,18 +81,20 @@ def writer(backend: str, io: str, layout: str, master: str, keys: list[str], ans
     source = device_tokens(dev, page_tokens(dev_pages, 16))
     with storage.MooncakeStore(host, master=master, segment_size_gb=0.0625, model_name="org/model") as store:
         answer.put((store.put(keys, page_tokens(host_pages, 16)), source))
+        stored.set()
         # The pages live in this process's segment: stay until the reader has them.
         done.wait(timeout=120)
     host.close()
 
 
-def reader(backend: str, io: str, layout: str, master: str, keys: list[str], answer) -> None:
+def reader(backend: str, io: str, layout: str, master: str, keys: list[str], answer, stored) -> None:
     from portable_kv import backends
 
     backends.use(backend)
     dev, host = make_host(layout, io=io, seed=2, tokens=128, page_size=16, k_heads=4, k_dim=192, v_heads=4, v_dim=128)
     host_pages, dev_pages = torch.tensor([2, 14, 7, 4]), torch.tensor([0, 7, 3, 4])
     with storage.MooncakeStore(host, master=master, segment_size_gb=0, model_name="org/model") as store:
+        stored.wait(timeout=120)
         hits = store.exists(keys)
         arrived = store.get(keys, page_tokens(host_pages, 16))
     host.load_to_device_all_layer(dev, page_tokens(host_pages, 16), page_tokens(dev_pages, 16))

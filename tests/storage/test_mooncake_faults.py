@@ -1,0 +1,112 @@
+"""MooncakeStore when the cluster misbehaves: no master, a full store, pages too large, the master killed.
+
+Every call must come back (per-page False or a clear error) within a bound; none may hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from storekit import changed_pages, make_host, needs_mooncake, page_bytes, page_tokens, pool_bytes, unique_keys
+
+from portable_kv import storage
+from portable_kv.storage.master import free_port
+
+pytestmark = needs_mooncake
+
+# Mooncake's own RPC timeouts bound each call once the master is gone (mooncake.py's docstring):
+# a lookup or get fails at once, a put within ~4.3 s, close() within ~12 s.
+CALL_BOUND_S = 15.0
+
+
+def big_pages_host():
+    """Pages of 320 KiB (K 192 KiB + V 128 KiB), 128 of them: a 16 MiB segment holds about 50."""
+    return make_host("page_first_direct", layers=4, tokens=2048, page_size=32, k_heads=4, k_dim=192, v_heads=4, v_dim=128)[1]
+
+
+def test_no_master_is_a_clear_error_within_30_s():
+    _, host = make_host()
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"master: no Mooncake master answers at {address}"):
+        storage.MooncakeStore(host, master=address)
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("master", ["localhost", "127.0.0.1:0", "127.0.0.1:99999", 50051])
+def test_a_malformed_master_address_is_refused(master):
+    _, host = make_host()
+    with pytest.raises(ValueError, match="master: expected 'host:port'"):
+        storage.MooncakeStore(host, master=master)
+
+
+def test_a_full_store_reports_the_pages_it_did_not_keep(own_master):
+    host = big_pages_host()
+    keys = unique_keys(64)
+    tokens = page_tokens(torch.arange(64), host.page_size)
+    with storage.MooncakeStore(host, master=own_master.address, segment_size_gb=16 / 1024) as store:
+        stored = store.put(keys, tokens)
+        assert True in stored and False in stored, "16 MiB cannot hold 64 pages of 320 KiB"
+        kept = [k for k, ok in zip(keys, stored) if ok]
+        expected = {k: page_bytes(host, p) for p, k in enumerate(keys)}
+        targets = torch.arange(64, 64 + len(kept))
+        before = pool_bytes(host)
+        arrived = store.get(kept, page_tokens(targets, host.page_size))
+    # The master may evict some kept pages to make room; what arrives is exact and nothing else changes.
+    assert sum(arrived) > 0
+    assert changed_pages(host, before) <= set(targets.tolist())
+    for page, key, ok in zip(targets.tolist(), kept, arrived):
+        if ok:
+            assert all(torch.equal(a, b) for a, b in zip(page_bytes(host, page), expected[key]))
+
+
+def test_a_page_larger_than_the_segment_is_refused(master):
+    # K of one page: 64 layers x 64 tokens x 8 heads x 256 x 2 bytes = 16 MiB + ...
+    _, host = make_host("page_first_direct", torch.float16, layers=65, tokens=64, page_size=64, k_heads=8, k_dim=256, v_heads=1, v_dim=8)
+    with pytest.raises(ValueError, match="segment_size_gb: expected 0 or at least"):
+        storage.MooncakeStore(host, master=master.address, segment_size_gb=16 / 1024)
+
+
+def test_a_segment_below_mooncakes_minimum_is_refused(master):
+    _, host = make_host()
+    with pytest.raises(ValueError, match="segment_size_gb"):
+        storage.MooncakeStore(host, master=master.address, segment_size_gb=0.001)
+    with pytest.raises(ValueError, match="segment_size_gb"):
+        storage.MooncakeStore(host, master=master.address, segment_size_gb=-1)
+
+
+def test_master_killed_during_a_batch_and_between_calls(own_master):
+    host = big_pages_host()
+    P = host.page_size
+    store = storage.MooncakeStore(host, master=own_master.address, segment_size_gb=0.25)
+    keys = unique_keys(8)
+    assert store.put(keys, page_tokens(torch.arange(8), P)) == [True] * 8
+
+    # During: puts of fresh batches while the master is killed; each call must return in bounded time.
+    killer = threading.Timer(0.2, own_master.kill)
+    killer.start()
+    slowest, answers = 0.0, []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        answers.append(store.put(unique_keys(16), page_tokens(torch.arange(8, 24), P)))
+        slowest = max(slowest, time.monotonic() - started)
+        if own_master.process.poll() is not None and False in answers[-1]:
+            break
+    killer.join()
+    assert slowest < CALL_BOUND_S
+    assert answers[-1] == [False] * 16
+
+    # Between calls: misses and per-page False, the host pool untouched.
+    before = pool_bytes(host)
+    for call in (lambda: store.exists(keys), lambda: store.get(keys, page_tokens(torch.arange(30, 38), P)), lambda: store.put(unique_keys(2), page_tokens(torch.arange(2), P))):
+        started = time.monotonic()
+        answer = call()
+        assert time.monotonic() - started < CALL_BOUND_S
+        assert answer in (0, [False] * 8, [False] * 2)
+    assert changed_pages(host, before) == set()
+    started = time.monotonic()
+    store.close()
+    assert time.monotonic() - started < CALL_BOUND_S

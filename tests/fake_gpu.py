@@ -7,12 +7,14 @@ addresses.  Its copy engines are memmove over the real DMA plan."""
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import numpy as np
 import torch
 
 from portable_kv.backends.base import Mover
 from portable_kv.backends.cuda import KERNEL_SOURCE
+from portable_kv.backends.dma import HostCopyMover
 from portable_kv.backends.gpu import GpuBackend
 from portable_kv.backends.jit import KernelSpec
 from portable_kv.backends.kernel_args import KERNEL_WIDTHS, CopyArgs
@@ -86,6 +88,9 @@ class SimulatedRuntime(DeviceRuntime):
     def current_stream(self) -> int:
         return 0
 
+    def direct_mover(self) -> Mover:
+        return HostCopyMover()  # no streams without a GPU: the plan, memmoved
+
     def register_host(self, address: int, nbytes: int) -> int:
         self.registered.append((address, nbytes))
         return address
@@ -115,11 +120,12 @@ class SimulatedGpuBackend(GpuBackend):
 
     def __init__(self) -> None:
         super().__init__(SimulatedRuntime())
-        self.created: list[Mover] = []  # every mover handed out, newest last
+        # Every mover handed out, newest last; weakly, so that a dropped pool's mover goes.
+        self.created: list[weakref.ref[Mover]] = []
 
     def mover(self, io: str) -> Mover:
         mover = super().mover(io)
-        self.created.append(mover)
+        self.created.append(weakref.ref(mover))
         return mover
 
     @classmethod

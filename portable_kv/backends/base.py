@@ -76,7 +76,6 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self.device = self._device()
-        self._default_movers: dict[str, Mover] = {}
 
     @classmethod
     @abstractmethod
@@ -101,13 +100,6 @@ class Backend(ABC):
         if io not in factories:
             raise ValueError(f"io_backend: backend {self.name!r} offers {', '.join(factories)}, got {io!r}")
         return factories[io]()
-
-    def transfer(self, transfer: Transfer, io_backend: str) -> None:
-        """Enqueue `transfer` on a mover shared by every caller (pools hold their own: mover())."""
-        mover = self._default_movers.get(io_backend)
-        if mover is None:
-            mover = self._default_movers[io_backend] = self.mover(io_backend)
-        mover.move(transfer)
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """TypeError unless the movers can move `dtype` (integer words of 1, 2, 4 or 8 bytes)."""

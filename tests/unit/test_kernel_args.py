@@ -113,7 +113,7 @@ def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated):
     host.load_to_device_per_layer(dev, host_idx, dev_idx, 0)
     assert simulated.runtime.launches[-1][1] == 2, "a new block quota must reach the next launch"
     # A backup of other pages interleaved with the loads keeps a prepared launch of its own.
-    mover = simulated.created[-1]
+    mover = simulated.created[-1]()
     before = list(mover._local.prepared)
     host.backup_from_device_per_layer(dev, torch.arange(0, 4), torch.arange(60, 64), 2)
     assert torch.equal(bits(host.k_buffer[0, 2]), bits(dev.k_buffer[2][60:64]))

@@ -97,8 +97,9 @@ def install_fake_hip(monkeypatch, fail_log: str | None = None):
 class FakeLib:
     """A ctypes library double: records each call with its arguments as plain values."""
 
-    def __init__(self, version: int, symbols: tuple[str, ...]) -> None:
+    def __init__(self, version: int, symbols: tuple[str, ...], failing: dict[str, int] | None = None) -> None:
         self.version, self.calls = version, []
+        self.failing = failing or {}  # symbol -> the error code it returns
         for name in symbols:
             setattr(self, name, self._recorder(name))
 
@@ -110,7 +111,7 @@ class FakeLib:
             if name.endswith("GetErrorName"):
                 return b"fakeError"
             self.calls.append((name, [_plain(a) for a in args]))
-            return 0
+            return self.failing.get(name, 0)
 
         return call
 

@@ -13,7 +13,7 @@ from fake_runtimes import CUDART_SYMBOLS, HIP_SYMBOLS, FakeLib, cpu_device, inst
 
 from portable_kv.backends import base, cuda, dma, rocm
 from portable_kv.backends import kernel_args as ka
-from portable_kv.backends.runtime import MEMCPY_DEFAULT
+from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError, check
 from portable_kv.plan import CopyBatch
 
 STREAM = 0x5EED
@@ -210,3 +210,29 @@ def test_host_registration_is_portable_and_mapped(module, lib_version, symbols, 
     assert names == [f"{prefix}HostRegister", f"{prefix}HostGetDevicePointer", f"{prefix}HostUnregister"]
     (_, register_args), = [c for c in lib.calls if c[0] == f"{prefix}HostRegister"]
     assert register_args == [1 << 20, 4096, 3]
+
+
+def test_one_typed_error_carries_the_call_code_and_driver_name():
+    class Enum(int):
+        name = "CUDA_ERROR_INVALID_VALUE"
+
+    with pytest.raises(DeviceError, match=r"cuModuleLoadData failed: CUDA_ERROR_INVALID_VALUE \(1\)") as raised:
+        check((Enum(1), None), "cuModuleLoadData")
+    assert (raised.value.call, raised.value.code, raised.value.name) == ("cuModuleLoadData", 1, "CUDA_ERROR_INVALID_VALUE")
+    assert isinstance(raised.value, RuntimeError) and check((0, 7), "x") == 7
+    hip = rocm.HipRuntime(lib=FakeLib(70200000, HIP_SYMBOLS, failing={"hipModuleLaunchKernel": 98}))
+    with pytest.raises(DeviceError) as raised:
+        hip.launch(0x1010, 1, ka.BLOCK, 0, STREAM)
+    assert (raised.value.call, raised.value.code, raised.value.name) == ("hipModuleLaunchKernel", 98, "fakeError")
+    cudart = cuda.CudaRuntime(lib=FakeLib(13000, CUDART_SYMBOLS, failing={"cudaMemcpyBatchAsync": 1}))
+    with pytest.raises(DeviceError, match="cudaMemcpyBatchAsync failed: fakeError"):
+        cudart.memcpy_batch(batch(2), STREAM)
+
+
+def test_the_vendor_runtimes_are_twins():
+    """The same methods in the same order (the bindings' names aside: driver/nvrtc, hip/hiprtc)."""
+    def methods(cls):
+        return [name for name, value in vars(cls).items() if callable(value)]
+
+    assert methods(cuda.CudaRuntime) == methods(rocm.HipRuntime)
+    assert not set(vars(cuda.CudaBackend)) - {"name", "vendor", "unavailable_reason", "__init__", "__module__", "__doc__", "__qualname__", "__firstlineno__", "__static_attributes__", "__abstractmethods__", "_abc_impl"}

@@ -1,0 +1,127 @@
+"""GPU-only reliability: indices produced on a busy stream, host memory freed by
+close() and by dropping a pool, Triton's registered memory page-locked, and unchecked
+indices on the copy engines.  Skipped (with the reason) where no GPU backend can run."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from kvspec import bits, page_tokens, randomize
+
+import portable_kv as pk
+from portable_kv import backends
+
+GPU = [n for n in ("cuda", "rocm", "triton") if backends.unavailable_reason(n) is None and torch.cuda.is_available()]
+pytestmark = pytest.mark.skipif(not GPU, reason="needs a GPU backend: " + str(backends.unavailable_reason("cuda")))
+P = 16
+LONG_KERNEL_CYCLES = 10**8  # ~50 ms of torch.cuda._sleep: the indices appear long after the call returns
+
+
+@pytest.fixture(params=GPU or ["none"])
+def gpu(request):
+    before = backends.current()
+    yield backends.use(request.param)
+    backends.use(before.name)
+
+
+def pools(io: str, validate: bool = True, tokens: int = 1024, layout: str = "page_first_direct"):
+    dev = pk.DeviceKVPool(2, tokens, P, 4, 192, 128, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=io, validate=validate)
+    gen = torch.Generator().manual_seed(5)
+    for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+        randomize(t, gen)
+    return dev, host
+
+
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+def test_indices_produced_after_a_long_kernel_are_read_when_they_exist(gpu, io):
+    """GPU indices are validated (read on the host) after the producing stream wrote them."""
+    if io not in gpu.io_backends:
+        pytest.skip(f"{gpu.name} has no {io} path")
+    dev, host = pools(io)
+    pages = 16
+    host_idx = torch.full((pages * P,), -1, dtype=torch.int64, device="cuda")
+    dev_idx = torch.full((pages * P,), -1, dtype=torch.int64, device="cuda")
+    torch.cuda._sleep(LONG_KERNEL_CYCLES)
+    order = torch.randperm(pages, device="cuda")
+    host_idx.copy_(page_tokens(torch.arange(pages), P).to("cuda"))
+    dev_idx.copy_((order[:, None] * P + torch.arange(P, device="cuda")).reshape(-1))
+    host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)  # -1 would be refused if read too early
+    torch.cuda.synchronize()
+    assert torch.equal(bits(dev.k_buffer[1][dev_idx]), bits(host.k_buffer[:pages, 1].reshape(-1, 4, 192)))
+    host.close()
+
+
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+def test_closed_and_dropped_pools_free_their_host_memory(gpu, io):
+    if io not in gpu.io_backends:
+        pytest.skip(f"{gpu.name} has no {io} path")
+    dev = pk.DeviceKVPool(2, 4096, P, 4, 192, 128, dtype=torch.bfloat16)
+    idx = page_tokens(torch.arange(32), P)
+    alive = []
+    for n in range(24):
+        host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io)
+        host.load_to_device_per_layer(dev, idx, idx, n % 2)
+        host.backup_from_device_all_layer(dev, idx, idx)
+        alive.append(weakref.ref(host.k_buffer))
+        if n % 2:
+            host.close()
+        del host
+    torch.cuda.synchronize()
+    gc.collect()
+    assert sum(ref() is not None for ref in alive) == 0, "host buffers outlive their pools"
+    if hasattr(torch.cuda, "host_memory_stats"):
+        torch.cuda.empty_cache()  # also returns the caching host allocator's free blocks
+        stats = torch.cuda.host_memory_stats()
+        in_use = stats.get("allocated_bytes.current", stats.get("active_bytes.current", 0))
+        pool_bytes = sum(t.numel() for t in (dev.k_buffer[0], dev.v_buffer[0])) * 2 * 2 * 2  # K+V, 2 layers, ratio 2, bf16
+        assert in_use < pool_bytes, f"{in_use} bytes of pinned host memory still in use after every pool was dropped"
+
+
+def test_triton_registered_memory_is_page_locked_and_released(monkeypatch):
+    if backends.unavailable_reason("triton") is not None or not torch.cuda.is_available():
+        pytest.skip("needs the triton backend on a GPU")
+    triton = backends.get("triton")
+    assert triton.runtime is not None, "Triton on a GPU holds its vendor's runtime"
+    calls = []
+    register, unregister = triton.runtime.register_host, triton.runtime.unregister_host
+    monkeypatch.setattr(triton.runtime, "register_host", lambda a, n: calls.append(("register", a)) or register(a, n))
+    monkeypatch.setattr(triton.runtime, "unregister_host", lambda a: calls.append(("unregister", a)) or unregister(a))
+    before = backends.current().name
+    backends.use("triton")
+    try:
+        dev = pk.DeviceKVPool(2, 1024, P, 4, 192, 128, dtype=torch.bfloat16)
+        host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="direct", host_memory="registered")
+        registered = [a for kind, a in calls if kind == "register"]
+        assert registered, "registered host memory was not page-locked"
+        idx = page_tokens(torch.arange(8), P)
+        host.backup_from_device_all_layer(dev, idx, idx)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(host.k_buffer[:8, 0].reshape(-1, 4, 192)), bits(dev.k_buffer[0][idx]))
+        host.close()
+        gc.collect()
+        assert sorted(a for kind, a in calls if kind == "unregister") == sorted(registered)
+    finally:
+        backends.use(before)
+
+
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+def test_unchecked_indices_outside_the_pools_on_the_gpu(gpu, io):
+    """validate=False on both io paths: the bad page is skipped and flagged, the good one moves."""
+    if io not in gpu.io_backends:
+        pytest.skip(f"{gpu.name} has no {io} path")
+    dev, host = pools(io, validate=False)
+    before = [bits(t) for t in dev.k_buffer]
+    host_idx = page_tokens(torch.tensor([1, host.page_num + 10**5]), P)
+    dev_idx = page_tokens(torch.tensor([3, 4]), P)
+    host.load_to_device_per_layer(dev, host_idx, dev_idx, 0)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="outside the pools"):
+        host.load_to_device_per_layer(dev, host_idx[:P], dev_idx[:P], 0)
+    after = bits(dev.k_buffer[0])
+    assert torch.equal(after[3 * P:4 * P], bits(host.k_buffer[1, 0]))
+    assert torch.equal(after[4 * P:5 * P], before[0][4 * P:5 * P]), "the skipped page was written"
+    host.close()

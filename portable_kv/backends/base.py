@@ -9,7 +9,7 @@ import torch
 
 from ..plan import Transfer
 
-IO_BACKENDS = ("kernel", "direct")
+IO_BACKENDS = ("kernel", "direct", "staged", "auto")
 ELEMENT_SIZES = (1, 2, 4, 8)  # what the copy kernels' integer words cover
 
 
@@ -50,7 +50,7 @@ class Mover(ABC):
     A mover is owned by one host pool; everything it keeps for that pool (prepared
     launches, job templates, index copies) goes with it, or with close()."""
 
-    io: str  # "kernel" | "direct"
+    io: str  # one of IO_BACKENDS
 
     def __init__(self, device: torch.device) -> None:
         self.bad_index = BadIndexFlag(device)

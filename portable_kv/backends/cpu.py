@@ -15,6 +15,7 @@ from ..plan import Transfer
 from .base import Backend, Mover, MoverFactory
 from .dma import HostCopyMover
 from .kernel_args import WORD_DTYPES
+from .staged import host_memcpy_2d, staged_movers
 
 
 class IndexingMover(Mover):
@@ -58,7 +59,8 @@ class CpuBackend(Backend):
         return torch.device("cpu")
 
     def movers(self) -> dict[str, MoverFactory]:
-        return {"kernel": IndexingMover, "direct": HostCopyMover}
+        return {"kernel": IndexingMover, "direct": HostCopyMover,
+                **staged_movers(self.device, IndexingMover, HostCopyMover, IndexingMover, host_memcpy_2d, lambda: 0, indexing_gather=True)}
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

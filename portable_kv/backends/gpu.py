@@ -15,6 +15,7 @@ from ..plan import TensorPair, Transfer
 from .base import Backend, BackendUnavailable, Mover, MoverFactory
 from .kernel_args import BLOCK, JobTemplate, LayerTable, PreparedLaunch
 from .runtime import DeviceRuntime
+from .staged import KernelGather, staged_movers
 
 PREPARED_KEPT = 4  # prepared launches kept per thread (a load and a backup interleaved, and a spare)
 TEMPLATES_KEPT = 16  # job templates kept per pool: one per device pool (K/V pair) it moves to
@@ -80,7 +81,11 @@ class GpuBackend(Backend):
         return torch.device("cuda", torch.cuda.current_device())
 
     def movers(self) -> dict[str, MoverFactory]:
-        return {"kernel": lambda: KernelMover(self), "direct": self.runtime.direct_mover}
+        def kernel() -> KernelMover:
+            return KernelMover(self)
+
+        return {"kernel": kernel, "direct": self.runtime.direct_mover,
+                **staged_movers(self.device, kernel, self.runtime.direct_mover, lambda: KernelGather(self), self.runtime.memcpy_2d, self.runtime.current_stream)}
 
     def kernels(self) -> dict[int, int]:
         """The copy kernel's entry point per access width, built or found once."""

@@ -136,6 +136,13 @@ class DeviceRuntime(ABC):
                 code = copy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(size), MEMCPY_DEFAULT, ctypes.c_void_p(stream))
                 check(code, f"{self.prefix}MemcpyAsync", self.error_name)
 
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
+        """Enqueue `height` rows of `width` bytes, each side at its own pitch, on `stream`
+        (the staged io path's host-side copies: one per run of consecutive host pages)."""
+        code = self._fn("Memcpy2DAsync")(ctypes.c_void_p(dst), ctypes.c_size_t(dst_pitch), ctypes.c_void_p(src), ctypes.c_size_t(src_pitch),
+                                         ctypes.c_size_t(width), ctypes.c_size_t(height), MEMCPY_DEFAULT, ctypes.c_void_p(stream))
+        check(code, f"{self.prefix}Memcpy2DAsync", self.error_name)
+
     def direct_mover(self) -> Mover:
         """A new copy-engine mover over this runtime, for one host pool."""
         return DmaMover(self)

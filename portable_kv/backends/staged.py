@@ -1,0 +1,455 @@
+"""The `staged` io path (copy engines on the host side, the copy kernel in device memory)
+and the `auto` io path (a choice per call between kernel, direct and staged).
+
+SM-issued traffic to host memory crosses PCIe in 128-byte TLPs, which bounds the
+kernel path near 93% of the link; the copy engines reach the ceiling, but only
+when fed few, large copies.  The host pool owns its placement, so a transfer's
+host side is a few runs of consecutive pages, each one 1-D or 2-D copy
+(`runs.py`).  The device side (token slots scattered over the engine's pool)
+is gathered into, or scattered from, a staging miniature of the host pool in
+device memory by the same copy kernel (`kv_copy.h`, or the Triton one), given
+staging-local token indices and a block quota of 8.  Chunks alternate between
+two staging slots so that copy and kernel overlap:
+
+    load:   copy stream  [copy 0 -> A][copy 1 -> B][copy 2 -> A]...
+            current      .............[scatter A ][scatter B ]...
+    backup: current      [gather -> A][gather -> B][gather -> A]...
+            copy stream  .............[copy A    ][copy B    ]...
+
+Events order each slot's writer after its last reader, the copy stream after
+the current stream at the start and the current stream after the copies at
+the end, as the direct path does.  A transfer that staging does not carry well
+(short runs, tiny rows, a bad index) goes to the kernel path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .. import config
+from ..cache import IdentityCache
+from ..layout import chunking
+from ..plan import IndexPair, TensorPair, Transfer, run_offsets, tensor_pair
+from ..runs import PIPELINE_CHUNKS, StagedPlan, miniature, plan
+from .base import BadIndexFlag, Mover, MoverFactory
+from .kernel_args import BLOCK, JobTemplate, PreparedLaunch
+
+# Blocks of the kernel between staging and the KV buffers: it works in HBM, where
+# 8 blocks of 512 threads keep ~256 KB in flight, several times what one copy
+# engine drains from PCIe; the model keeps the other SMs.
+STAGING_BLOCKS = 8
+PLANS_KEPT = 8  # staged plans per pool: a load's and a backup's indices, a few of each
+TEMPLATES_KEPT = 16
+LAUNCHES_KEPT = 4 * PIPELINE_CHUNKS  # a prepared launch per chunk and slot, for a few plans
+# Under this many bytes a call is latency: the kernel path's one launch is the cheapest.
+AUTO_MIN_BYTES = 4 << 20
+
+Memcpy2D = Callable[[int, int, int, int, int, int, int], None]  # dst, dst_pitch, src, src_pitch, width, height, stream
+
+
+@dataclass(frozen=True)
+class StagingRule:
+    """When staging carries a transfer well: copies large enough that the copy engine,
+    not the host's ~6.5 us to enqueue each one, sets the pace (512 KiB last 9.5 us at
+    55 GB/s), and rows that keep the engine at the ceiling (1 KiB rows measured 54.4
+    GB/s on the H200; page_head's per-layer rows are one head's 256-384 bytes)."""
+
+    min_row_bytes: int = 1024
+    min_copy_bytes: int = 512 << 10
+
+    def carries(self, staged: StagedPlan) -> bool:
+        return staged.copy_count == 0 or (staged.min_width >= self.min_row_bytes and staged.mean_copy_bytes >= self.min_copy_bytes)
+
+
+LINK_RULE = StagingRule()
+# The CPU backend models the path to run its planning in CI: it stages whatever staging can carry.
+EVERY_PLAN = StagingRule(0, 0)
+
+
+def host_memcpy_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
+    """A 2-D copy on the CPU, row by row (the CPU backend's copy engine)."""
+    for row in range(height):
+        ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+
+
+class DeviceStreams:
+    """The device's streams and events through torch (torch.cuda serves ROCm too); the
+    copy stream is one per thread and current stream, so a load and a backup that the
+    engine puts on two streams stay two."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._local = threading.local()
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def side(self, current: Any) -> Any:
+        by_stream = getattr(self._local, "side", None)
+        if by_stream is None:
+            by_stream = self._local.side = {}
+        stream = by_stream.get(current.cuda_stream)
+        if stream is None:
+            stream = by_stream[current.cuda_stream] = torch.cuda.Stream(self.device)
+        return stream
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    @staticmethod
+    def handle(stream: Any) -> int:
+        return stream.cuda_stream
+
+    @staticmethod
+    def record(event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    @staticmethod
+    def wait(stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    @staticmethod
+    def synchronize(event: Any) -> None:
+        event.synchronize()
+
+
+class InlineStreams:
+    """Where every call completes before it returns (the CPU, a simulated GPU): one
+    stream, whose handle the runtime names, and no events."""
+
+    def __init__(self, handle: Callable[[], int]) -> None:
+        self._handle = handle
+
+    def current(self) -> None:
+        return None
+
+    def side(self, current: None) -> None:
+        return None
+
+    def event(self) -> None:
+        return None
+
+    def handle(self, stream: None) -> int:
+        return self._handle()
+
+    @staticmethod
+    def record(event: None, stream: None) -> None:
+        return None
+
+    @staticmethod
+    def wait(stream: None, event: None) -> None:
+        return None
+
+    @staticmethod
+    def synchronize(event: None) -> None:
+        return None
+
+
+Streams = DeviceStreams | InlineStreams
+_generations = itertools.count(1)
+
+
+class Slot:
+    """One staging buffer and its events: `filled` after its writer, `free` after its reader."""
+
+    def __init__(self, device: torch.device, nbytes: int, streams: Streams) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.address = self.buffer.data_ptr()
+        self.filled, self.free = streams.event(), streams.event()
+        self.generation = next(_generations)  # the staging views made for this buffer carry it
+
+
+class Prepared:
+    """A staged plan with what each call reuses: the copies as lists, each chunk's
+    staging-local indices, and each slot's staging tensor pairs."""
+
+    def __init__(self, staged: StagedPlan, transfer: Transfer) -> None:
+        self.plan = staged
+        fields = ("host", "staging", "width", "height", "host_pitch", "staging_pitch")
+        self.copies = tuple(tuple(getattr(c, f).tolist() for f in fields) for c in staged.copies)
+        self.ends = tuple([0, *c.chunk_ends.tolist()] for c in staged.copies)
+        k = transfer.pairs[0]
+        device = torch.from_numpy(transfer.indices.inside(k.strides.tokens, k.device[0].shape[0])[1])
+        self.indices = tuple(IndexPair(torch.arange(len(c), dtype=torch.int64), device[c.start:c.stop]) for c in staged.chunks)
+        self._pairs: dict[int, tuple[TensorPair, TensorPair]] = {}
+
+    def pairs(self, slot: Slot, transfer: Transfer, indexing: bool) -> tuple[TensorPair, TensorPair]:
+        """K and V of `slot` as the copy kernel's "host" side: the staging miniatures.
+
+        A kernel takes strides and a base address: a flat tensor, with the layer stride
+        0 where one layer is staged, so that its absolute layer index lands on it.  The
+        CPU oracle indexes a layout-shaped tensor of the staged layers only (`indexing`)."""
+        pairs = self._pairs.get(slot.generation)
+        if pairs is None:
+            pages, layers = self.plan.chunk_tokens // transfer.page_size, self.plan.layers
+            made = []
+            for pair, strides, offset in zip(transfer.pairs, self.plan.staging, self.plan.offsets):
+                storage = slot.buffer[offset:]
+                if indexing:
+                    head_dim = strides.row_bytes // pair.host.element_size()
+                    tensor = miniature(pair.layout, layers, layers, pages, transfer.page_size, strides.heads, head_dim, pair.host.dtype, storage)
+                    made.append(tensor_pair(tensor, pair.device, pair.layout, transfer.page_size))
+                else:
+                    tensor = storage[: self.plan.chunk_tokens * layers * pair.device_token_bytes].view(pair.host.dtype)
+                    made.append(replace(pair, host=tensor, strides=strides, chunks=chunking(strides), registration_tokens=0))
+            pairs = self._pairs[slot.generation] = (made[0], made[1])
+        return pairs
+
+
+class KernelGather(Mover):
+    """The C copy kernel between a staging slot and the KV buffers, on the current stream,
+    at the staging block quota; a prepared launch per (slot, chunk) is kept."""
+
+    io = "kernel"
+
+    def __init__(self, backend: Any, block_quota: int = STAGING_BLOCKS) -> None:
+        super().__init__(backend.device)
+        self.backend = backend
+        self.block_quota = block_quota
+        self._templates: IdentityCache[JobTemplate] = IdentityCache(TEMPLATES_KEPT)
+        self._launches: IdentityCache[PreparedLaunch] = IdentityCache(LAUNCHES_KEPT)
+
+    def move(self, transfer: Transfer) -> None:
+        backend = self.backend
+        runtime = backend.runtime
+        runtime.bind_thread()
+        key, stamp = (transfer.pairs, transfer.indices), (transfer.to_device, len(transfer.layers), self.block_quota)
+        launch = self._launches.lookup(key, stamp)
+        if launch is None:
+            template = self._templates.get(transfer.pairs, lambda: JobTemplate(transfer.pairs, [backend.layer_table(p.device) for p in transfer.pairs]))
+            launch = PreparedLaunch(transfer, template, self.bad_index.address, self.block_quota)
+            launch.kernel = backend.kernels()[launch.width]
+            self._launches.store(key, launch, stamp)
+        launch.args.layer_begin = transfer.layers.start
+        runtime.launch(launch.kernel, launch.grid, BLOCK, launch.params, runtime.current_stream())
+
+    def close(self) -> None:
+        self._templates.clear()
+        self._launches.clear()
+
+
+def share_flag(flag: BadIndexFlag, *movers: Mover) -> None:
+    """One bad-index flag for a mover and the movers it delegates to: whichever skipped
+    a token, the pool's next call raises."""
+    for mover in movers:
+        mover.bad_index = flag
+        share_flag(flag, *getattr(mover, "parts", ()))
+
+
+_NO_PLAN: Any = object()  # a kept answer: staging cannot carry this transfer
+
+
+class StagedMover(Mover):
+    """Host runs as 1-D/2-D copies on the copy engines, the device side through staging
+    slots by the copy kernel, chunks pipelined over two slots per direction.
+
+    Falls back to the kernel path where its `rule` says staging does not carry a
+    transfer well, where staging cannot carry it at all (indices not whole pages in a
+    page layout, a slot too small for one page), and where an index is outside a pool.
+    Staging memory: `staging_bytes` per direction (PORTABLE_KV_STAGING_BYTES), two
+    slots each, allocated at first use, released by close()."""
+
+    io = "staged"
+
+    def __init__(self, device: torch.device, gather: Mover, fallback: MoverFactory, memcpy_2d: Memcpy2D,
+                 streams: Streams, rule: StagingRule, indexing_gather: bool) -> None:
+        super().__init__(device)
+        self.device = device
+        self.gather, self.fallback = gather, fallback()
+        self.parts = (self.gather, self.fallback)
+        share_flag(self.bad_index, *self.parts)
+        self.memcpy_2d = memcpy_2d
+        self.streams = streams
+        self.rule = rule
+        self.indexing_gather = indexing_gather
+        self.staging_bytes: int = config.STAGING_BYTES.integer(minimum=1) or 0
+        self._plans: IdentityCache[Any] = IdentityCache(PLANS_KEPT)
+        self._slots: dict[bool, list[Slot]] = {}
+        self._lock = threading.Lock()
+
+    def plan(self, transfer: Transfer) -> Prepared | None:
+        """The staged plan of `transfer` (kept for its pools and indices), or None where staging cannot carry it."""
+        key = (transfer.pairs, transfer.indices)
+        stamp = (transfer.to_device, len(transfer.layers), transfer.layers.start if len(transfer.layers) > 1 else 0, self.staging_bytes)
+        prepared = self._plans.lookup(key, stamp)
+        if prepared is None:
+            k = transfer.pairs[0]
+            host_np, _, skipped = transfer.indices.inside(k.strides.tokens, k.device[0].shape[0])
+            staged = None if skipped else plan(host_np, transfer.pairs, k.layout, transfer.page_size, transfer.layers, len(k.device),
+                                               self.staging_bytes // 2, k.registration_tokens)
+            prepared = self._plans.store(key, _NO_PLAN if staged is None else Prepared(staged, transfer), stamp)
+        return None if prepared is _NO_PLAN else prepared
+
+    def carries(self, transfer: Transfer, rule: StagingRule | None = None) -> bool:
+        """Whether `transfer` goes through staging under `rule` (default: this mover's own)."""
+        prepared = self.plan(transfer)
+        return prepared is not None and (rule or self.rule).carries(prepared.plan)
+
+    def move(self, transfer: Transfer) -> None:
+        self.bad_index.check()
+        prepared = self.plan(transfer)
+        if prepared is None or not self.rule.carries(prepared.plan):
+            self.fallback.move(transfer)
+            return
+        with self._lock:
+            slots = self._slots_for(transfer.to_device, prepared.plan.slot_bytes)
+            if transfer.to_device:
+                self._load(transfer, prepared, slots)
+            else:
+                self._backup(transfer, prepared, slots)
+
+    def _slots_for(self, to_device: bool, nbytes: int) -> list[Slot]:
+        slots = self._slots.get(to_device)
+        if slots is None or slots[0].buffer.numel() < nbytes:
+            for slot in slots or ():  # a larger plan: the old buffers go once their last reader is done
+                self.streams.synchronize(slot.free)
+            slots = self._slots[to_device] = [Slot(self.device, nbytes, self.streams) for _ in range(2)]
+        return slots
+
+    def _load(self, transfer: Transfer, prepared: Prepared, slots: list[Slot]) -> None:
+        streams = self.streams
+        current = streams.current()
+        chunks = len(prepared.plan.chunks)
+        copier = current if chunks == 1 else streams.side(current)
+        if chunks > 1:  # the copies start after everything already on the current stream
+            start = slots[0].filled  # recorded again below, after this wait is enqueued
+            streams.record(start, current)
+            streams.wait(copier, start)
+        for c in range(chunks):
+            slot = slots[c % 2]
+            streams.wait(copier, slot.free)
+            self._copy(transfer, prepared, c, slot, streams.handle(copier))
+            if chunks > 1:
+                streams.record(slot.filled, copier)
+                streams.wait(current, slot.filled)
+            self._gather(transfer, prepared, c, slot)
+            streams.record(slot.free, current)
+
+    def _backup(self, transfer: Transfer, prepared: Prepared, slots: list[Slot]) -> None:
+        streams = self.streams
+        current = streams.current()
+        chunks = len(prepared.plan.chunks)
+        copier = current if chunks == 1 else streams.side(current)
+        for c in range(chunks):
+            slot = slots[c % 2]
+            streams.wait(current, slot.free)
+            self._gather(transfer, prepared, c, slot)
+            if chunks > 1:
+                streams.record(slot.filled, current)
+                streams.wait(copier, slot.filled)
+            self._copy(transfer, prepared, c, slot, streams.handle(copier))
+            streams.record(slot.free, copier)
+        if chunks > 1:  # the current stream's next work sees the host pool written
+            streams.wait(current, slots[(chunks - 1) % 2].free)
+
+    def _gather(self, transfer: Transfer, prepared: Prepared, chunk: int, slot: Slot) -> None:
+        """The copy kernel between the KV buffers and `slot`, for one chunk, on the current stream."""
+        pairs, layers = prepared.pairs(slot, transfer, self.indexing_gather), transfer.layers
+        if self.indexing_gather:  # its miniature holds the staged layers only
+            pairs = tuple(replace(p, device=p.device[layers.start:layers.stop]) for p in pairs)
+            layers = range(len(layers))
+        self.gather.move(Transfer(transfer.to_device, pairs, prepared.indices[chunk], layers, transfer.page_size))
+
+    def _copy(self, transfer: Transfer, prepared: Prepared, chunk: int, slot: Slot, stream: int) -> None:
+        """The host-side copies of one chunk of K and V, between the host pool and `slot`."""
+        memcpy_2d, to_device = self.memcpy_2d, transfer.to_device
+        for pair, offset, (host, staging, width, height, host_pitch, staging_pitch), ends in zip(
+                transfer.pairs, prepared.plan.offsets, prepared.copies, prepared.ends):
+            host_base = pair.host.data_ptr() + transfer.layers.start * pair.strides.layer
+            staging_base = slot.address + offset
+            for i in range(ends[chunk], ends[chunk + 1]):
+                if to_device:
+                    memcpy_2d(staging_base + staging[i], staging_pitch[i], host_base + host[i], host_pitch[i], width[i], height[i], stream)
+                else:
+                    memcpy_2d(host_base + host[i], host_pitch[i], staging_base + staging[i], staging_pitch[i], width[i], height[i], stream)
+
+    def close(self) -> None:
+        self._plans.clear()
+        self._slots.clear()
+        for part in self.parts:
+            part.close()
+
+
+class AutoMover(Mover):
+    """Picks the io path per call from the transfer's plan, and keeps the choice for its
+    pools and indices.  The rule (H200 numbers: docs/PERFORMANCE.md):
+
+    1. under AUTO_MIN_BYTES (4 MiB): `kernel`; a call that small is latency, and the
+       kernel path is one launch;
+    2. the direct plan's copies (runs consecutive on both sides) average at least
+       `rule.min_copy_bytes` (512 KiB): `direct`, the copy engines straight between the
+       pools, no SM and no staging;
+    3. the staged plan's copies (runs consecutive on the host) average at least that
+       and its rows are at least `rule.min_row_bytes` (1 KiB): `staged`, the copy
+       engines to the ceiling each way and both ways at once, 8 SMs in device memory;
+    4. otherwise `kernel`: short host runs would make the copy engines wait on the
+       host's ~6.5 us per copy, where the kernel path holds 91-94% at any placement.
+    """
+
+    io = "auto"
+
+    def __init__(self, device: torch.device, kernel: MoverFactory, direct: MoverFactory, staged: StagedMover,
+                 rule: StagingRule = LINK_RULE) -> None:
+        super().__init__(device)
+        self.movers = {"kernel": kernel(), "direct": direct(), "staged": staged}
+        self.parts = tuple(self.movers.values())
+        share_flag(self.bad_index, *self.parts)
+        self.rule = rule
+        self._choices: IdentityCache[str] = IdentityCache(PLANS_KEPT)
+
+    def choice(self, transfer: Transfer) -> str:
+        """The io path this mover takes for `transfer`: "kernel", "direct" or "staged"."""
+        key = (transfer.pairs, transfer.indices)
+        stamp = (transfer.to_device, len(transfer.layers), self.movers["staged"].staging_bytes, self.rule)
+        chosen = self._choices.lookup(key, stamp)
+        if chosen is None:
+            chosen = self._choices.store(key, self._choose(transfer), stamp)
+        return chosen
+
+    def _choose(self, transfer: Transfer) -> str:
+        if transfer.bytes < AUTO_MIN_BYTES:
+            return "kernel"
+        descriptors = nbytes = 0
+        for pair in transfer.pairs:
+            sizes = run_offsets(transfer.indices, pair, transfer.page_size)[2]
+            descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
+        if descriptors and nbytes / descriptors >= self.rule.min_copy_bytes:
+            return "direct"
+        if self.movers["staged"].carries(transfer, self.rule):
+            return "staged"
+        return "kernel"
+
+    def move(self, transfer: Transfer) -> None:
+        self.bad_index.check()
+        self.movers[self.choice(transfer)].move(transfer)
+
+    def close(self) -> None:
+        self._choices.clear()
+        for mover in self.parts:
+            mover.close()
+
+
+def staged_movers(device: torch.device, kernel: MoverFactory, direct: MoverFactory, gather: MoverFactory, memcpy_2d: Memcpy2D,
+           stream_handle: Callable[[], int], indexing_gather: bool = False) -> dict[str, MoverFactory]:
+    """The `staged` and `auto` entries of a backend's movers(), from its own parts: the
+    kernel and direct factories, the gather (a kernel-path mover given staging pairs;
+    `indexing_gather`: the CPU oracle, which indexes layout-shaped tensors), the 2-D
+    copy and the current stream's handle.  On a CPU device the path is a model, run
+    call by call, staging whatever staging can carry."""
+    cpu = device.type == "cpu"
+
+    def staged() -> StagedMover:
+        streams = InlineStreams(stream_handle) if cpu else DeviceStreams(device)
+        return StagedMover(device, gather(), kernel, memcpy_2d, streams, EVERY_PLAN if cpu else LINK_RULE, indexing_gather)
+
+    return {"staged": staged, "auto": lambda: AutoMover(device, kernel, direct, staged())}
+
+
+__all__ = ["AutoMover", "KernelGather", "StagedMover", "StagingRule", "host_memcpy_2d", "staged_movers"]

@@ -1,0 +1,226 @@
+"""Host runs -> 1-D/2-D copies between a host pool and a staging miniature of it; chunking.
+
+The staged io path moves the host side of a transfer with a few large copies
+(copy engines) and the device side with the copy kernel working between a
+staging buffer in device memory and the engine's KV buffers.  The staging
+buffer of a chunk is a miniature of the host pool: the same layout, holding the
+chunk's tokens in index order (staging token j is the chunk's j-th index) and
+only the layers moved.  A run of consecutive host tokens is then one region
+with the same shape on both sides, and that region is one 2-D copy (rows of
+`width` bytes at each side's pitch) wherever its dimensions fold to two:
+
+- layer_first: a run is one row per layer (pitch: the layer stride);
+- page_first: a per-layer run is one row per token; all layers, one row;
+- page_first_direct: a per-layer run of pages is one row per page (pitch: the
+  page stride); all layers, one row;
+- page_head: all layers, one row; per-layer rows are one head's row (tiny).
+
+Pure numpy, no device: the CPU backend runs the same plan with memmove.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .layout import HostStrides, canonical_view, host_shape, host_strides
+
+# cudaMemcpy2DAsync / hipMemcpy2DAsync refuse a pitch above the device's maximum
+# pitch (cudaDevAttrMaxPitch: 2^31 - 1 on every current GPU); a layer_first pool
+# past 2 GiB a layer has larger ones, and its rows become copies of their own.
+MAX_PITCH = (1 << 31) - 1
+# A chunk's two copies (K, V) start on this alignment in the staging buffer: the
+# kernel picks its access width from the addresses, 16 bytes wants 16.
+STAGING_ALIGN = 256
+# Chunks a large transfer is cut into, at most, and the smallest chunk: the first
+# chunk's kernel (backup) or the last one's (load) does not overlap a copy, so
+# the chunk bounds that tail; each chunk costs its copies' and events' host time.
+PIPELINE_CHUNKS = 16
+MIN_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Copies:
+    """The copies of one tensor (K or V) between the host buffer and a staging slot, in
+    chunk order: parallel arrays of byte offsets, row width, rows and each side's pitch.
+    Host offsets leave out the layer term (layer * host layer stride), added per call."""
+
+    host: np.ndarray
+    staging: np.ndarray
+    width: np.ndarray
+    height: np.ndarray
+    host_pitch: np.ndarray
+    staging_pitch: np.ndarray
+    chunk_ends: np.ndarray  # copies of chunk c are [chunk_ends[c-1], chunk_ends[c])
+
+    def __len__(self) -> int:
+        return int(self.width.size)
+
+    @property
+    def bytes(self) -> int:
+        return int((self.width * self.height).sum())
+
+
+@dataclass(frozen=True)
+class StagedPlan:
+    """How one transfer goes through staging: its chunks and, for K and V, the staging
+    miniature's strides, where it starts in a slot, and the copies."""
+
+    chunk_tokens: int  # tokens a chunk holds (the last may hold fewer); a multiple of page_size
+    chunks: tuple[range, ...]  # positions in the index list
+    layers: int  # layers a staging miniature holds: 1 (stride 0: any layer) or all of them
+    staging: tuple[HostStrides, HostStrides]
+    offsets: tuple[int, int]  # where the K and V miniatures start in a slot
+    slot_bytes: int  # bytes a slot must hold
+    copies: tuple[Copies, Copies]
+
+    @property
+    def copy_count(self) -> int:
+        return len(self.copies[0]) + len(self.copies[1])
+
+    @property
+    def min_width(self) -> int:
+        return min(int(c.width.min()) for c in self.copies if len(c))
+
+    @property
+    def mean_copy_bytes(self) -> float:
+        return sum(c.bytes for c in self.copies) / max(1, self.copy_count)
+
+
+def miniature(layout: str, layers: int, staged_layers: int, pages: int, page_size: int, heads: int, head_dim: int,
+              dtype: torch.dtype, storage: torch.Tensor | None = None) -> torch.Tensor:
+    """A staging miniature of a host buffer: `pages` pages of `staged_layers` layers, in `layout`.
+
+    With one staged layer, its layer dimension is expanded to `layers` with stride 0, so
+    the copy kernel's absolute layer index lands on the one staged layer.  `storage`
+    (bytes) holds it; without one it is a meta tensor, for the strides only."""
+    shape = host_shape(layout, staged_layers, pages, page_size, heads, head_dim)
+    if storage is None:
+        tensor = torch.empty(shape, dtype=dtype, device="meta")
+    else:
+        tensor = storage[: int(np.prod(shape)) * dtype.itemsize].view(dtype).view(shape)
+    if staged_layers == 1 and layers > 1:
+        full = list(host_shape(layout, layers, pages, page_size, heads, head_dim))
+        tensor = tensor.expand(full)
+    return tensor
+
+
+def staging_strides(host: torch.Tensor, layout: str, layers: int, staged_layers: int, pages: int, page_size: int) -> HostStrides:
+    """Byte strides of a staging miniature of the host buffer `host`."""
+    view = canonical_view(host, layout, page_size)
+    heads, head_dim = view.shape[3], view.shape[4]
+    return host_strides(miniature(layout, layers, staged_layers, pages, page_size, heads, head_dim, host.dtype), layout, page_size)
+
+
+def chunk_tokens(tokens: int, token_bytes: int, page_size: int, slot_bytes: int) -> int:
+    """Tokens per chunk (a multiple of page_size): about tokens / PIPELINE_CHUNKS, at least
+    MIN_CHUNK_BYTES' worth, at most what a slot holds; 0 when not one page fits a slot."""
+    fits = slot_bytes // (token_bytes * page_size) * page_size
+    if fits == 0:
+        return 0
+    wanted = max(-(-tokens // PIPELINE_CHUNKS), MIN_CHUNK_BYTES // token_bytes)
+    return min(fits, -(-wanted // page_size) * page_size, -(-tokens // page_size) * page_size)
+
+
+def host_runs(host_idx: np.ndarray, chunk: int, registration_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Starts (positions) and lengths of runs of consecutive host tokens, cut at chunk
+    boundaries and, for registered host memory, where a registration ends."""
+    n = host_idx.size
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    follows = np.diff(host_idx) == 1
+    follows &= np.arange(1, n) % chunk != 0
+    if registration_tokens:
+        follows &= host_idx[1:] % registration_tokens != 0
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    return starts, np.diff(np.append(starts, n))
+
+
+def whole_pages(host_idx: np.ndarray, starts: np.ndarray, lengths: np.ndarray, page_size: int) -> bool:
+    """Whether every run is whole pages, each at a page boundary of the index list too."""
+    return not ((starts % page_size).any() or (lengths % page_size).any() or (host_idx[starts] % page_size).any())
+
+
+def _fold(dims: list[tuple[int, int, int]], row_bytes: int) -> tuple[int, tuple[int, int, int] | None, list[tuple[int, int, int]]]:
+    """(width, rows, loops) of a region given as (count, host stride, staging stride) dimensions,
+    innermost last, above a contiguous row of `row_bytes`: dims contiguous on both sides fold
+    into the width; the next dim is the rows (and folds further dims that continue it on both
+    sides); what is left is looped over, one copy each."""
+    dims = [d for d in dims if d[0] > 1]
+    width = row_bytes
+    while dims and dims[-1][1] == width and dims[-1][2] == width:
+        width *= dims.pop()[0]
+    if not dims:
+        return width, None, []
+    count, hs, ss = dims.pop()
+    while dims and dims[-1][1] == count * hs and dims[-1][2] == count * ss:
+        count *= dims.pop()[0]
+    if max(hs, ss) > MAX_PITCH:
+        return width, None, [*dims, (count, hs, ss)]
+    return width, (count, hs, ss), dims
+
+
+def copies(host: HostStrides, staging: HostStrides, page_size: int, page_major: bool, host_starts: np.ndarray,
+           staging_starts: np.ndarray, lengths: np.ndarray, staged_layers: int, chunk_of_run: np.ndarray, chunks: int) -> Copies:
+    """The copies of every run (host token, staging token, tokens), one tensor, in run order."""
+    parts: list[tuple[np.ndarray, ...]] = []
+    order = np.arange(lengths.size)
+    for length in np.unique(lengths):
+        runs = order[lengths == length]
+        if page_major:
+            tokens = [(int(length) // page_size, host.page, staging.page), (page_size, host.token, staging.token)]
+        else:
+            tokens = [(int(length), host.token, staging.token)]
+        dims = sorted([*tokens, (staged_layers, host.layer, staging.layer), (host.heads, host.head, staging.head)],
+                      key=lambda d: d[1], reverse=True)
+        width, rows, loops = _fold(dims, host.row_bytes)
+        height, host_pitch, staging_pitch = rows if rows is not None else (1, width, width)
+        h0 = (host_starts[runs] // page_size) * host.page + (host_starts[runs] % page_size) * host.token
+        s0 = (staging_starts[runs] // page_size) * staging.page + (staging_starts[runs] % page_size) * staging.token
+        host_off, staging_off = h0[:, None], s0[:, None]
+        for count, hs, ss in loops:  # each loop multiplies the copies of a run
+            step = np.arange(count, dtype=np.int64)
+            host_off = (host_off[:, :, None] + step * hs).reshape(runs.size, -1)
+            staging_off = (staging_off[:, :, None] + step * ss).reshape(runs.size, -1)
+        per_run = host_off.shape[1]
+        shape = np.tile(np.array([width, height, host_pitch, staging_pitch], np.int64), (runs.size * per_run, 1))
+        parts.append((np.repeat(runs, per_run), host_off.ravel(), staging_off.ravel(), shape))
+    if not parts:
+        empty = np.zeros(0, np.int64)
+        return Copies(empty, empty, empty, empty, empty, empty, np.zeros(chunks, np.int64))
+    run = np.concatenate([p[0] for p in parts])
+    sort = np.argsort(run, kind="stable")  # back to run order, which is chunk order
+    shape = np.concatenate([p[3] for p in parts])[sort]
+    ends = np.searchsorted(chunk_of_run[run[sort]], np.arange(chunks), side="right")
+    return Copies(np.concatenate([p[1] for p in parts])[sort].astype(np.int64), np.concatenate([p[2] for p in parts])[sort].astype(np.int64),
+                  shape[:, 0], shape[:, 1], shape[:, 2], shape[:, 3], ends.astype(np.int64))
+
+
+def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers: range, layer_count: int,
+         slot_bytes: int, registration_tokens: int = 0) -> StagedPlan | None:
+    """The staged plan of a transfer, or None where staging cannot carry it (a page layout's
+    indices that are not whole pages, layers that are neither one nor all from 0, or not one
+    page fitting a slot).  `pairs` are plan.TensorPair (K, V): their host buffers and strides."""
+    staged_layers = len(layers)
+    if staged_layers != 1 and (layers.start != 0 or staged_layers != layer_count):
+        return None
+    page_major = pairs[0].strides.page != page_size * pairs[0].strides.token
+    token_bytes = sum(p.device_token_bytes for p in pairs) * staged_layers
+    chunk = chunk_tokens(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN)
+    if chunk == 0:
+        return None
+    starts, lengths = host_runs(host_idx, chunk, registration_tokens)
+    if page_major and not whole_pages(host_idx, starts, lengths, page_size):
+        return None
+    chunks = tuple(range(b, min(b + chunk, host_idx.size)) for b in range(0, host_idx.size, chunk))
+    pages = chunk // page_size
+    staging = tuple(staging_strides(p.host, layout, layer_count, staged_layers, pages, page_size) for p in pairs)
+    k_bytes = chunk * staged_layers * pairs[0].device_token_bytes
+    offsets = (0, -(-k_bytes // STAGING_ALIGN) * STAGING_ALIGN)
+    slot = offsets[1] + chunk * staged_layers * pairs[1].device_token_bytes
+    chunk_of_run = starts // chunk
+    runs = tuple(copies(p.strides, s, page_size, page_major, host_idx[starts], starts - chunk_of_run * chunk, lengths,
+                        staged_layers, chunk_of_run, len(chunks)) for p, s in zip(pairs, staging))
+    return StagedPlan(chunk, chunks, staged_layers, staging, offsets, slot, runs)

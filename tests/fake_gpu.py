@@ -2,7 +2,7 @@
 kernels_common/kv_copy.h: it runs the real argument packing of backends/kernel_args.py
 (struct layout, access width, vector counts, layer tables) through the real
 KernelMover, and executes the copy the kernel would do, vector by vector, on raw
-addresses.  Its copy engines are memmove over the real DMA plan."""
+addresses.  Its copy engines are memmove over the real DMA plan, and row by row for 2-D copies."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ class SimulatedRuntime(DeviceRuntime):
     def __init__(self) -> None:
         self.launches: list[tuple[int, int, int]] = []  # (width, grid, block)
         self.registered: list[tuple[int, int]] = []
+        self.copies_2d: list[tuple[int, int, int, int, int, int]] = []  # (dst, dst_pitch, src, src_pitch, width, height)
         super().__init__(_VersionOnly(), 0)
         self.has_batch = True  # batch_call below
 
@@ -84,6 +85,11 @@ class SimulatedRuntime(DeviceRuntime):
         for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
             ctypes.memmove(dst, src, size)
         return 0
+
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
+        self.copies_2d.append((dst, dst_pitch, src, src_pitch, width, height))
+        for row in range(height):
+            ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
 
     def current_stream(self) -> int:
         return 0

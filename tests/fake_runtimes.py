@@ -128,8 +128,8 @@ def _plain(arg):
     return arg
 
 
-HIP_SYMBOLS = ("hipRuntimeGetVersion", "hipModuleLaunchKernel", "hipMemcpyBatchAsync", "hipMemcpyAsync", "hipGetErrorName", "hipSetDevice")
-CUDART_SYMBOLS = ("cudaRuntimeGetVersion", "cudaMemcpyBatchAsync", "cudaMemcpyAsync", "cudaGetErrorName")
+HIP_SYMBOLS = ("hipRuntimeGetVersion", "hipModuleLaunchKernel", "hipMemcpyBatchAsync", "hipMemcpyAsync", "hipMemcpy2DAsync", "hipGetErrorName", "hipSetDevice")
+CUDART_SYMBOLS = ("cudaRuntimeGetVersion", "cudaMemcpyBatchAsync", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaGetErrorName")
 
 
 def cpu_device(self) -> torch.device:

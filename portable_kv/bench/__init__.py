@@ -41,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="comma-separated backends to measure, e.g. cuda,triton (default: every GPU backend that can run here, else cpu)")
     how.add_argument("--reps", type=int, default=0, help="timed calls per measurement, median kept (default: 20; 5 with --quick)")
     how.add_argument("--quick", action="store_true",
-                     help="8 layers, 5 repetitions, a 512 MiB ceiling copy, no peers at page 1: about 4 minutes on an H200 "
-                          "(the full run about 15), about 10 s on the CPU backend")
+                     help="8 layers, 5 repetitions, a 512 MiB ceiling copy, no peers at page 1: about 2 minutes on an H200 with "
+                          "cuda and triton (the full run about 7 minutes and 41 GB of host memory); on the CPU backend about 50 s "
+                          "(the full run about 4 minutes)")
     how.add_argument("--store", choices=STORES, default="",
                      help="benchmark an L3 store (put and get of whole pages through the host pool) instead of the GPU link")
     out = p.add_argument_group("output")

@@ -52,15 +52,16 @@ def table(rows: list[Row], meta: dict) -> str:
     for r in rows:
         extra = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
         direction = r.direction if gpu else CPU_CALLS.get(r.direction, r.direction)
-        line = f"{r.section:<12} {r.name:<46} {direction:<6} {r.page_size or '-':>4} {r.gbps:>7.1f} "
-        line += f"{r.pct_ceiling:>6.1f} {r.host_us:>9.1f} {r.grid or '-':>6}  {extra}" if gpu else f"{r.host_us:>9.1f}  {extra}"
+        rate, pct, host_us = (f"{value:.1f}" if value else "-" for value in (r.gbps, r.pct_ceiling, r.host_us))
+        line = f"{r.section:<12} {r.name:<46} {direction:<6} {r.page_size or '-':>4} {rate:>7} "
+        line += f"{pct:>6} {host_us:>9} {r.grid or '-':>6}  {extra}" if gpu else f"{host_us:>9}  {extra}"
         lines.append(line.rstrip())
     lines += ["", device_label(meta) + "; " + ceiling_text(meta) + "."]
     if gpu:
         lines += ["dir: h2d is one per-layer load (host to GPU), d2h one all-layer backup (GPU to host), both: a load and a",
                   "backup at once on two streams; GB/s over the device time (events), median; %ceil: of the ceiling of the",
-                  "same direction; host us: host CPU time to enqueue one call, median; blocks: the kernel path's block quota",
-                  "(the most SMs a call occupies); peers: what engines do today; extra: the setting a sweep changed."]
+                  "same direction; host us: host CPU time to enqueue one call, median (host_cost: back to back); blocks: the kernel path's block quota",
+                  "(the most SMs a call occupies); peers: what engines do today; extra: the setting a sweep changed; -: not measured."]
     else:
         lines += ["call: load is one per-layer load, backup one all-layer backup, here both between two host buffers;",
                   "GB/s over the wall time, median; host us: the same call's host time (on the CPU backend the call is the copy);",

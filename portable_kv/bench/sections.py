@@ -100,8 +100,12 @@ def sweep(clock: Clock, w: Workload, reps: int, ceil: dict, io: str, setting: st
 
 
 def setting_sweeps(clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list[Row]:
-    return (sweep(clock, w, reps, ceil, "kernel", "block_quota", QUOTAS, f"{name} kernel, {{}} blocks")
-            + sweep(clock, w, reps, ceil, "direct", "dma_streams", DMA_STREAMS, f"{name} direct, {{}} streams"))
+    """The block quota of the kernel path, and the DMA stream count of the direct path where the
+    backend lets it be set between calls (`backend.dma_streams`)."""
+    rows = sweep(clock, w, reps, ceil, "kernel", "block_quota", QUOTAS, f"{name} kernel, {{}} blocks")
+    if hasattr(backends.current(), "dma_streams"):
+        rows += sweep(clock, w, reps, ceil, "direct", "dma_streams", DMA_STREAMS, f"{name} direct, {{}} streams")
+    return rows
 
 
 def registered_memory(clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list[Row]:
@@ -291,8 +295,10 @@ def both_ways_probe(w: Workload, ceil: dict, name: str) -> list[Row]:
                     def backup(p=backup_pool) -> None:
                         p.backup_from_device_per_layer(w.dev, *backup_idx, 1)
 
-                    case(f"{name} {load_io} load alone", at(saved_quota, load), None)
-                    case(f"{name} {backup_io} backup alone", None, at(saved_quota, backup))
+                    if backup_io == backend.io_backends[0]:
+                        case(f"{name} {load_io} load alone", at(saved_quota, load), None)
+                    if load_io == backend.io_backends[0]:
+                        case(f"{name} {backup_io} backup alone", None, at(saved_quota, backup))
                     case(f"{name} {load_io} load + {backup_io} backup", at(saved_quota, load), at(saved_quota, backup))
                     if load_io == backup_io == "kernel":
                         # Posted D2H writes share the upstream link with the loads' read

@@ -206,7 +206,9 @@ def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers
     staged_layers = len(layers)
     if staged_layers != 1 and (layers.start != 0 or staged_layers != layer_count):
         return None
-    page_major = pairs[0].strides.page != page_size * pairs[0].strides.token
+    # Pages not adjacent on the host: a run is whole pages.  With one token a page, the
+    # page stride is the token step (the in-page token stride of a one-token page means nothing).
+    page_major = page_size == 1 or pairs[0].strides.page != page_size * pairs[0].strides.token
     token_bytes = sum(p.device_token_bytes for p in pairs) * staged_layers
     chunk = chunk_tokens(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN)
     if chunk == 0:

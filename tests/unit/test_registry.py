@@ -36,9 +36,10 @@ def test_environment_wins(monkeypatch):
     assert backends.detect() == "triton"
 
 
-def test_unusable_forced_backend_fails_at_import():
+def test_unusable_forced_backend_fails_at_binding():
+    """The package imports lazily; the first use of the backend names the bad setting."""
     env = {"PORTABLE_KV_BACKEND": "rocm", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-c", "import portable_kv"], env=env, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", "import portable_kv; portable_kv.backends.current()"], env=env, capture_output=True, text=True)
     assert result.returncode != 0
     assert "PORTABLE_KV_BACKEND=rocm" in result.stderr and "cannot run here" in result.stderr
 

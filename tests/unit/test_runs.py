@@ -1,0 +1,270 @@
+"""Host runs -> copies (runs.py) and the staged mover that executes them, without a GPU:
+run detection, the 2-D copy of each layout, chunking and the staging bound; the staged
+path on a simulated GPU (the real kernel arguments, executed by the kernel model) and
+against a fake HIP runtime (which calls, in which order); the auto rule."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from fake_runtimes import CUDART_SYMBOLS, HIP_SYMBOLS, FakeLib, cpu_device, install_fake_hip
+from kvspec import bits, host_row, page_tokens, randomize
+
+import portable_kv as pk
+from portable_kv import backends, runs
+from portable_kv.backends import cuda, rocm, staged
+from portable_kv.backends import kernel_args as ka
+from portable_kv.backends.runtime import MEMCPY_DEFAULT
+from portable_kv.layout import host_shape
+from portable_kv.plan import tensor_pair
+
+STREAM = 0x5EED
+L, H, KD, VD, ITEM = 8, 4, 192, 128, 2  # MiMo-V2's K 192 / V 128, 4 heads, bf16
+K_TOKEN, V_TOKEN = H * KD * ITEM, H * VD * ITEM
+
+
+def pairs(layout: str, page_size: int, pages: int = 64):
+    """K and V of a host pool in `layout`, and a one-page device pool per layer."""
+    device = [[torch.empty(page_size, H, d, dtype=torch.bfloat16) for _ in range(L)] for d in (KD, VD)]
+    return tuple(tensor_pair(torch.empty(host_shape(layout, L, pages, page_size, H, d), dtype=torch.bfloat16), device[n], layout, page_size)
+                 for n, d in enumerate((KD, VD)))
+
+
+def page_slots(pages, page_size: int) -> np.ndarray:
+    return page_tokens(torch.tensor(pages), page_size).numpy()
+
+
+def plan(layout: str, page_size: int, host_idx: np.ndarray, layers: range, slot_bytes: int = 32 << 20):
+    return runs.plan(host_idx, pairs(layout, page_size), layout, page_size, layers, L, slot_bytes)
+
+
+# -- runs and copies -------------------------------------------------------------------------
+
+
+def test_runs_break_where_tokens_jump_at_chunks_and_registrations():
+    idx = np.array([4, 5, 6, 7, 8, 20, 21, 3])
+    starts, lengths = runs.host_runs(idx, chunk=100)
+    assert starts.tolist() == [0, 5, 7] and lengths.tolist() == [5, 2, 1]
+    starts, lengths = runs.host_runs(idx, chunk=4)
+    assert starts.tolist() == [0, 4, 5, 7] and lengths.tolist() == [4, 1, 2, 1]
+    starts, lengths = runs.host_runs(idx, chunk=100, registration_tokens=6)
+    assert starts.tolist() == [0, 2, 5, 7]
+
+
+def test_page_first_direct_per_layer_run_is_one_row_per_page():
+    P = 16
+    staged_plan = plan("page_first_direct", P, page_slots([3, 4, 5, 6, 40], P), range(2, 3))
+    k, v = staged_plan.copies
+    page_bytes = L * P * K_TOKEN
+    assert k.width.tolist() == [P * K_TOKEN] * 2 and k.height.tolist() == [4, 1]
+    assert k.host_pitch[0] == page_bytes and k.staging_pitch[0] == P * K_TOKEN
+    assert k.host.tolist() == [3 * page_bytes, 40 * page_bytes]  # the layer term is added per call
+    assert k.staging.tolist() == [0, 4 * P * K_TOKEN]
+    assert v.width[0] == P * V_TOKEN and staged_plan.offsets[1] % runs.STAGING_ALIGN == 0
+    assert staged_plan.staging[0].layer == 0, "one staged layer: the kernel's absolute layer lands on it"
+
+
+def test_whole_pages_over_all_layers_are_one_flat_copy():
+    P = 16
+    for layout in ("page_first_direct", "page_head"):
+        k, _ = plan(layout, P, page_slots([3, 4, 5, 9], P), range(L)).copies
+        assert k.height.tolist() == [1, 1] and k.width.tolist() == [3 * L * P * K_TOKEN, L * P * K_TOKEN]
+
+
+def test_layer_first_all_layers_is_one_row_per_layer():
+    P = 4
+    k, _ = plan("layer_first", P, np.arange(8, 8 + 10), range(L)).copies
+    assert len(k) == 1 and k.width[0] == 10 * K_TOKEN and k.height[0] == L
+    assert k.host_pitch[0] == 64 * P * K_TOKEN and k.staging_pitch[0] == runs.chunk_tokens(10, (K_TOKEN + V_TOKEN) * L, P, 32 << 20) * K_TOKEN
+
+
+def test_page_first_per_layer_is_one_row_per_token_and_all_layers_one_copy():
+    P = 1
+    k, _ = plan("page_first", P, np.arange(5, 5 + 12), range(3, 4)).copies
+    assert (k.width[0], k.height[0], k.host_pitch[0], k.staging_pitch[0]) == (K_TOKEN, 12, L * K_TOKEN, K_TOKEN)
+    k, _ = plan("page_first", P, np.arange(5, 5 + 12), range(L)).copies
+    assert (k.width[0], k.height[0]) == (12 * L * K_TOKEN, 1)
+
+
+def test_page_head_per_layer_rows_are_one_head_row():
+    """What the link rule refuses: 384-byte rows, one 2-D copy per page and head... or fewer where they continue."""
+    P = 4
+    staged_plan = plan("page_head", P, page_slots([2, 3], P), range(1, 2))
+    k, _ = staged_plan.copies
+    assert set(k.width.tolist()) == {KD * ITEM} and k.height.sum() * k.width[0] == 2 * P * K_TOKEN
+    assert not staged.LINK_RULE.carries(staged_plan) and staged.EVERY_PLAN.carries(staged_plan)
+
+
+def test_pitches_past_the_device_maximum_become_rows_of_their_own(monkeypatch):
+    monkeypatch.setattr(runs, "MAX_PITCH", 1000)
+    k, _ = plan("layer_first", 4, np.arange(8, 18), range(L)).copies
+    assert len(k) == L and set(k.height.tolist()) == {1}
+    assert np.diff(k.host).tolist() == [64 * 4 * K_TOKEN] * (L - 1)
+
+
+def test_page_layouts_need_whole_pages_and_layers_one_or_all():
+    P = 4
+    assert plan("page_first_direct", P, np.array([1, 2, 3, 4]), range(0, 1)) is None  # not page aligned
+    assert plan("page_first_direct", P, page_slots([1], P), range(2, 5)) is None
+    assert plan("layer_first", P, np.array([1, 2, 3, 4]), range(0, 1)) is not None
+
+
+# -- chunks and the staging bound --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_chunks_are_whole_pages_within_a_slot(page_size):
+    token_bytes = (K_TOKEN + V_TOKEN) * L
+    for tokens in (page_size, 1000 * page_size):
+        for slot in (token_bytes * page_size, 1 << 20, 32 << 20):
+            chunk = runs.chunk_tokens(tokens, token_bytes, page_size, slot)
+            fits = slot // (token_bytes * page_size) * page_size  # whole pages a slot holds
+            assert chunk % page_size == 0 and chunk * token_bytes <= slot and (chunk == 0) == (fits == 0)
+            if chunk:
+                assert -(-tokens // chunk) <= max(runs.PIPELINE_CHUNKS, -(-tokens // fits))
+    assert runs.chunk_tokens(100, token_bytes, page_size, token_bytes * page_size - 1) == 0
+
+
+def test_a_plan_fits_its_slot_and_cuts_runs_at_chunks():
+    P = 16
+    idx = page_slots(range(10, 74), P)  # one run of 64 pages
+    slot = 3 * L * P * (K_TOKEN + V_TOKEN) + runs.STAGING_ALIGN
+    staged_plan = plan("page_first_direct", P, idx, range(L), slot)
+    assert staged_plan.slot_bytes <= slot and staged_plan.chunk_tokens == 3 * P
+    assert len(staged_plan.chunks) == 22 and [len(c) for c in staged_plan.chunks][-1] == P
+    k, _ = staged_plan.copies
+    assert len(k) == 22 and k.chunk_ends.tolist() == list(range(1, 23))
+    assert plan("page_first_direct", P, idx, range(L), L * P * (K_TOKEN + V_TOKEN) - 1) is None
+
+
+# -- the staged mover on a simulated GPU and against a fake HIP runtime -------------------------
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    monkeypatch.setitem(backends._REGISTRY, "simulated", "fake_gpu:SimulatedGpuBackend")
+    backends._instances.pop("simulated", None)
+    before = backends.current().name
+    yield backends.use("simulated")
+    backends.use(before)
+
+
+def filled_pools(layout: str = "page_first_direct", io: str = "staged", P: int = 4, layers: int = 3):
+    dev = pk.DeviceKVPool(layers, 16 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=io)
+    gen = torch.Generator().manual_seed(5)
+    for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+        randomize(t, gen)
+    return dev, host
+
+
+def test_staged_on_the_simulated_gpu_runs_the_kernel_arguments_and_2d_copies(simulated, monkeypatch):
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(8 << 10))  # several chunks, both slots
+    for layout in pk.LAYOUTS:
+        dev, host = filled_pools(layout)
+        host_idx, dev_idx = page_tokens(torch.tensor([3, 4, 5, 6, 11]), 4), page_tokens(torch.tensor([9, 0, 2, 7, 1]), 4)
+        simulated.runtime.launches.clear()
+        simulated.runtime.copies_2d.clear()
+        host.backup_from_device_all_layer(dev, host_idx, dev_idx)
+        for layer in range(3):
+            expect_k = bits(dev.k_buffer[layer][dev_idx])
+            dev.k_buffer[layer].zero_()
+            host.load_to_device_per_layer(dev, host_idx, dev_idx, layer)
+            assert torch.equal(bits(dev.k_buffer[layer][dev_idx]), expect_k), f"{layout} layer {layer}"
+        assert simulated.runtime.copies_2d, "the host side moved by 2-D copies"
+        assert {grid for _, grid, _ in simulated.runtime.launches} <= set(range(1, staged.STAGING_BLOCKS + 1))
+        host.close()
+
+
+@pytest.fixture
+def fake_rocm(monkeypatch, tmp_path):
+    install_fake_hip(monkeypatch)
+    monkeypatch.setenv("PORTABLE_KV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(rocm.RocmBackend, "_device", cpu_device)
+    monkeypatch.setattr(rocm.HipRuntime, "arch", lambda self: "gfx942:sramecc+:xnack-")
+    monkeypatch.setattr(rocm.HipRuntime, "current_stream", lambda self: STREAM)
+    lib = FakeLib(70200000, HIP_SYMBOLS)
+    backend = rocm.RocmBackend(runtime=rocm.HipRuntime(lib=lib))
+    monkeypatch.setitem(backends._instances, "rocm", backend)
+    monkeypatch.setattr(rocm.RocmBackend, "unavailable_reason", classmethod(lambda cls: None))
+    before = backends.current().name
+    backends.use("rocm")
+    yield backend, lib
+    backends.use(before)
+
+
+def test_rocm_staged_issues_2d_copies_then_the_kernel_and_mirrored(fake_rocm, monkeypatch):
+    backend, lib = fake_rocm
+    P = 16
+    slot = 2 * P * (4 * 192 + 4 * 128) * 2 + runs.STAGING_ALIGN  # K and V of two pages of one layer: two chunks below
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(2 * slot))
+    dev = pk.DeviceKVPool(4, 256, P, 4, 192, 128, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="staged")
+    host_idx = page_tokens(torch.tensor([2, 3, 4, 8]), P)
+    host.load_to_device_per_layer(dev, host_idx, page_tokens(torch.tensor([9, 1, 5, 6]), P), 2)
+    calls = [name for name, _ in lib.calls if name != "hipSetDevice"]  # the thread's device, bound once
+    # Chunk 0: pages 2-3, one copy each of K and V; chunk 1: pages 4 and 8, two each.
+    assert calls == ["hipMemcpy2DAsync"] * 2 + ["hipModuleLaunchKernel"] + ["hipMemcpy2DAsync"] * 4 + ["hipModuleLaunchKernel"]
+    copies = [args for name, args in lib.calls if name == "hipMemcpy2DAsync"]
+    page = 4 * P * 4 * 192 * 2  # K bytes of one page, all layers
+    k_first = copies[0]
+    dst, dpitch, src, spitch, width, height, kind, stream = k_first
+    assert src == host.k_buffer.data_ptr() + 2 * page + 2 * P * 4 * 192 * 2, "pages 2-3 of layer 2"
+    assert (width, height, spitch, dpitch, kind, stream) == (P * 4 * 192 * 2, 2, page, P * 4 * 192 * 2, MEMCPY_DEFAULT, STREAM)
+    launch = [args for name, args in lib.calls if name == "hipModuleLaunchKernel"][0]
+    args = ka.CopyArgs.from_address(ctypes.c_void_p.from_address(launch[9]).value)
+    assert launch[1] <= staged.STAGING_BLOCKS and launch[8] == STREAM
+    assert (args.tokens, args.layer_begin, args.to_device, args.job[0].host_layer, args.job[0].host_base) == (2 * P, 2, 1, 0, dst)
+    lib.calls.clear()
+    host.backup_from_device_per_layer(dev, host_idx, page_tokens(torch.tensor([9, 1, 5, 6]), P), 1)
+    assert [name for name, _ in lib.calls] == ["hipModuleLaunchKernel"] + ["hipMemcpy2DAsync"] * 2 + ["hipModuleLaunchKernel"] + ["hipMemcpy2DAsync"] * 4
+    host.close()
+
+
+def test_cuda_and_hip_2d_copies_are_twins():
+    for runtime, name in ((cuda.CudaRuntime(lib=FakeLib(13000, CUDART_SYMBOLS)), "cudaMemcpy2DAsync"),
+                          (rocm.HipRuntime(lib=FakeLib(70200000, HIP_SYMBOLS)), "hipMemcpy2DAsync")):
+        runtime.memcpy_2d(1 << 30, 4096, 1 << 20, 1536, 1536, 7, STREAM)
+        assert runtime.lib.calls == [(name, [1 << 30, 4096, 1 << 20, 1536, 1536, 7, MEMCPY_DEFAULT, STREAM])]
+
+
+# -- the auto rule ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cpu_backend():
+    before = backends.current().name
+    yield backends.use("cpu")
+    backends.use(before)
+
+
+@pytest.mark.parametrize("layout,host_pages,device_pages,chosen", [
+    ("layer_first", range(0, 32), range(0, 32), "direct"),  # runs on both sides: straight copy engines
+    ("page_first_direct", range(0, 32), range(0, 32), "staged"),  # its pages are apart on the host: direct copies one each
+    ("page_first_direct", range(0, 32), list(range(31, -1, -1)), "staged"),  # a run on the host, scattered on the device
+    ("page_first_direct", list(range(0, 64, 2)), range(0, 32), "kernel"),  # single pages on the host: short copies
+])
+def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, device_pages, chosen):
+    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+    P = 4
+    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout=layout, io_backend="auto")
+    gen = torch.Generator().manual_seed(2)
+    for t in dev.k_buffer + dev.v_buffer:
+        randomize(t, gen)
+    mover = host._mover("auto")
+    # The link rule scaled to this pool's 192-byte K rows: 4 pages a copy.
+    mover.rule = staged.StagingRule(min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2)
+    used = []
+    for name, sub in mover.movers.items():
+        monkeypatch.setattr(sub, "move", lambda t, name=name, move=sub.move: (used.append(name), move(t)))
+    host_idx, dev_idx = page_tokens(torch.tensor(list(host_pages)), P), page_tokens(torch.tensor(list(device_pages)), P)
+    host.backup_from_device_all_layer(dev, host_idx, dev_idx)
+    assert used == [chosen]
+    for layer in range(2):
+        for h, d in zip(host_idx.tolist(), dev_idx.tolist()):
+            assert torch.equal(bits(host_row(host.k_buffer, layout, P, h, layer)), bits(dev.k_buffer[layer][d]))
+    host.close()

@@ -403,6 +403,7 @@ class AutoMover(Mover):
         share_flag(self.bad_index, *self.parts)
         self.rule = rule
         self._choices: IdentityCache[str] = IdentityCache(PLANS_KEPT)
+        self.last_choice = ""  # the path of the latest call, for benchmarks and diagnostics
 
     def choice(self, transfer: Transfer) -> str:
         """The io path this mover takes for `transfer`: "kernel", "direct" or "staged"."""
@@ -428,7 +429,8 @@ class AutoMover(Mover):
 
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
-        self.movers[self.choice(transfer)].move(transfer)
+        self.last_choice = self.choice(transfer)
+        self.movers[self.last_choice].move(transfer)
 
     def close(self) -> None:
         self._choices.clear()

@@ -20,6 +20,7 @@ SECTIONS = {
     "all": "the ceiling, the peers, every backend x layout x io backend, and on a GPU the setting sweeps, both ways and interference",
     "host-cost": "host CPU time of one per-layer load per io backend, issued back to back, beside a one-element torch op",
     "both-ways": "a load and a backup at once, each direction timed over its own span, for bulk copies and the package's paths (GPU)",
+    "staged": "staged and auto io beside kernel, direct and the peers, host pages placed by the allocator after churn and at random",
 }
 STORES = ("local", "mooncake")
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import backends
 from ..layout import LAYOUTS
-from . import report, sections
+from . import report, sections, staged
 from .measure import Clock
 from .peers import peers
 from .workload import Geometry, Workload
@@ -91,6 +91,8 @@ def measure(args: argparse.Namespace, geometry: Geometry, sizes: list[int], name
     rows = sections.ceiling_rows(ceil)
     if args.section == "host-cost":
         return rows + host_cost(clock, geometry, layers, names, device), ceil
+    if args.section == "staged":
+        return rows + staged.measure(clock, geometry, sizes, names, layers, reps, ceil, device, progress), ceil
     for page_size in sizes:
         w = Workload(geometry, page_size, layers, device)
         progress(f"page {page_size}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")

@@ -1,0 +1,198 @@
+"""`portable-kv bench --section staged`: the staged and auto io paths beside kernel, direct
+and the peers, for host pages placed by the allocator after an engine's churn and for
+pages placed at random (the worst case), against the ceiling of the same run.
+
+Per page size: the allocator's run lengths after churn; per placement and io path a
+per-layer load (H2D) and an all-layer backup (D2H) of page_first_direct pages, with
+the SMs each path occupies and its host time per call; a load and a backup at once;
+on a GPU, a bf16 matmul loop's slowdown while loads run beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+from collections import deque
+
+import torch
+
+import portable_kv as pk
+
+from .. import backends
+from ..allocator import PageRunAllocator, churn_run_lengths, page_runs
+from ..backends.staged import STAGING_BLOCKS
+from .measure import Clock, gbps
+from .peers import peers
+from .report import Row
+from .sections import bench_pool, percent
+from .workload import Geometry, Workload
+
+IOS = ("kernel", "direct", "staged", "auto")
+HOST_RATIO = 4.0  # host pool : device pool, so that churn leaves the transfer's pages among others
+REQUEST_TOKENS = 4096  # an engine's allocations: prefixes of 1 .. this many tokens, uniform
+FILLS = 4  # churn allocates this many times the pool before the transfer's pages are placed
+
+
+def churned_slots(pool_pages: int, page_size: int, need_pages: int, seed: int = 0) -> torch.Tensor:
+    """Host slots of `need_pages` pages as the allocator places them after churn: prefixes of
+    1..REQUEST_TOKENS tokens allocated, the least recently allocated freed when the pool is full
+    (churn_run_lengths' workload), then the transfer's own prefixes, which nothing evicts."""
+    max_pages = max(1, REQUEST_TOKENS // page_size)
+    allocator = PageRunAllocator(pool_pages * page_size, page_size)
+    rng = random.Random(seed)
+    live: deque[torch.Tensor] = deque()
+
+    def take(pages: int) -> torch.Tensor:
+        slots = allocator.alloc(pages * page_size)
+        while slots is None:
+            allocator.free(live.popleft())
+            slots = allocator.alloc(pages * page_size)
+        return slots
+
+    for _ in range(FILLS * pool_pages * 2 // (max_pages + 1)):
+        live.append(take(rng.randint(1, max_pages)))
+    placed, pages = [], 0
+    while pages < need_pages:
+        n = min(rng.randint(1, max_pages), need_pages - pages)
+        placed.append(take(n))
+        pages += n
+    return torch.cat(placed)
+
+
+class StagedWorkload(Workload):
+    """The bench's workload in a host pool HOST_RATIO times the device pool, its host pages
+    placed by the allocator after churn or at random."""
+
+    def __init__(self, geometry, page_size: int, layers: int, device: torch.device, placement: str) -> None:
+        super().__init__(geometry, page_size, layers, device)
+        self.peer_host_idx = self.host_idx  # random pages of a pool the peers' own size
+        self.placement = placement
+        self.pool_pages = int(HOST_RATIO * self.host_pages)
+        if placement == "allocator":
+            self.host_idx = churned_slots(self.pool_pages, page_size, self.pages)
+        else:
+            pages = torch.randperm(self.pool_pages, generator=torch.Generator().manual_seed(1))[: self.pages]
+            self.host_idx = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+    def host_pool(self, layout: str, io: str, host_memory: str = "pinned") -> pk.AsymmetricHostPool:
+        return pk.AsymmetricHostPool(self.dev, host_to_device_ratio=HOST_RATIO, layout=layout, io_backend=io, host_memory=host_memory)
+
+
+def measure(clock: Clock, geometry: Geometry, sizes: list[int], names: list[str], layers: int, reps: int, ceil: dict,
+            device: torch.device, progress) -> list[Row]:
+    """The section over page sizes, placements and backends."""
+    rows = []
+    for page_size in sizes:
+        for placement in ("allocator", "random"):
+            w = StagedWorkload(geometry, page_size, layers, device, placement)
+            progress(f"page {page_size}, {placement} host pages: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
+            if placement == "allocator":
+                rows += run_lengths(page_size, w.host_idx)
+            for name in names:
+                rows += section(clock, w, reps, ceil, name, with_peers=placement == "random" and name == names[0])
+            del w
+            if clock.gpu:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def run_lengths(page_size: int, slots: torch.Tensor) -> list[Row]:
+    """The allocator's run lengths after churn (its own simulation), and those of the placed transfer."""
+    pool_pages = 4096
+    max_pages = max(1, min(pool_pages, REQUEST_TOKENS // page_size))
+    histogram = churn_run_lengths(pool_pages, page_size, allocations=FILLS * pool_pages * 2 // (max_pages + 1), max_pages=max_pages)
+    lengths = [length for length, count in histogram.items() for _ in range(count)]
+    placed = page_runs(slots, page_size)
+    return [Row("staged", f"allocator runs after churn, requests of 1-{max_pages} pages", "-", page_size, extra=_runs_summary(lengths)),
+            Row("staged", "runs of the transfer's host pages, after churn", "-", page_size, extra=_runs_summary(placed))]
+
+
+def _runs_summary(lengths: list[int]) -> dict:
+    pages = sum(lengths)
+    return {"runs": len(lengths), "mean_pages": pages / max(1, len(lengths)), "median_pages": statistics.median(lengths) if lengths else 0,
+            "pages_in_runs_ge_8": sum(n for n in lengths if n >= 8) / max(1, pages)}
+
+
+def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, with_peers: bool) -> list[Row]:
+    """Every io path on one pool of `w`'s placement; both ways at once; interference on a GPU."""
+    backend = backends.use(name)
+    rows = []
+    if with_peers and clock.gpu:
+        own = copy.copy(w)
+        own.host_idx = w.peer_host_idx
+        rows += [_labelled(r, f"peer: {r.name}, random pages") for r in peers(clock, own, reps, ceil)]
+    with w.host_pool("page_first_direct", "kernel") as host:
+        for io in IOS:
+            for row in bench_pool(clock, w, host, io, reps, ceil, "staged", f"{name} {io}, {w.placement} host pages"):
+                rows.append(_with_sms(row, backend, host, io, clock.gpu))
+        if clock.gpu:
+            for io in ("kernel", "staged", "auto"):
+                rows.append(both_ways(clock, w, host, io, reps, ceil, name))
+            rows += interference(clock, w, host, name)
+    return rows
+
+
+def _labelled(row: Row, name: str) -> Row:
+    row.name, row.section = name, "staged"
+    return row
+
+
+def _with_sms(row: Row, backend, host: pk.AsymmetricHostPool, io: str, gpu: bool) -> Row:
+    """The most SMs (CUs) a call of `io` occupies, and which path auto took."""
+    taken = io
+    if io == "auto":
+        taken = host._mover("auto").last_choice  # noqa: SLF001 -- the bench reports what auto chose
+        row.extra["auto_took"] = taken
+    if gpu:
+        row.grid = {"kernel": getattr(backend, "block_quota", 0), "staged": STAGING_BLOCKS}.get(taken, 0)
+        row.extra["sms"] = row.grid
+    return row
+
+
+def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str) -> Row:
+    """A per-layer load of one half of the pages and a per-layer backup of the other, on two streams."""
+    load_idx, backup_idx = w.halves()
+    side = torch.cuda.Stream()
+
+    def run() -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        host.load_to_device_per_layer(w.dev, *load_idx, 0, io_backend=io)
+        with torch.cuda.stream(side):
+            host.backup_from_device_per_layer(w.dev, *backup_idx, 1, io_backend=io)
+        torch.cuda.current_stream().wait_stream(side)
+
+    seconds, host_s = clock.time(run, reps)
+    rate = gbps(2 * load_idx[0].numel() * w.token_layer_bytes, seconds)
+    return Row("staged", f"{name} load {io} + backup {io} at once, {w.placement} host pages", "both", w.page_size, rate,
+               percent(rate, ceil, "both"), host_s * 1e6)
+
+
+def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, name: str) -> list[Row]:
+    """A bf16 matmul loop with per-layer loads interleaved on a side stream, as an engine runs
+    layer by layer: the loads' rate and the matmuls' slowdown against the loop alone."""
+    n, matmuls = 8192, 40
+    a = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    rows = []
+    for io in ("kernel", "staged"):
+        alone, _ = clock.time(lambda: [torch.mm(a, b, out=c) for _ in range(matmuls)], 3)
+        calls = max(4, int(alone / (w.layer_bytes / 50e9)) + 2)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        t_start, t_end, m_start, m_end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+        t_start.record(side)
+        m_start.record()
+        for i in range(calls):
+            with torch.cuda.stream(side):
+                host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, i % w.layers, io_backend=io)
+            for _ in range(matmuls * (i + 1) // calls - matmuls * i // calls):
+                torch.mm(a, b, out=c)
+        m_end.record()
+        t_end.record(side)
+        torch.cuda.synchronize()
+        busy, moved = m_start.elapsed_time(m_end) / 1e3, t_start.elapsed_time(t_end) / 1e3
+        rows.append(Row("staged", f"{name} {io} load during matmul, interleaved, {w.placement} host pages", "h2d", w.page_size,
+                        gbps(calls * w.layer_bytes, moved), extra={"matmul_slowdown_pct": 100 * (busy / alone - 1)}))
+    return rows

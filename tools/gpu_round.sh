@@ -57,6 +57,8 @@ if command -v compute-sanitizer >/dev/null && [ -z "${SKIP_SANITIZER:-}" ]; then
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   step host_cost; timeout 120 python3 -m portable_kv bench --section host-cost 2>&1 | tee -a "$LOG"
+  step staged; timeout "${STAGED_TIMEOUT:-600}" python3 -m portable_kv bench --section staged $BENCH --json "$OUT/staged.json" > "$OUT/staged.txt" 2>&1
+  grep -E "^staged|^ceiling" "$OUT/staged.txt" | tee -a "$LOG"
   step bench; timeout "${BENCH_TIMEOUT:-420}" python3 -m portable_kv bench $BENCH --json "$OUT/bench.json" --plot "$OUT/bench.png" \
     --markdown "$OUT/bench.md" > "$OUT/bench.txt" 2>&1
   tail -n 40 "$OUT/bench.txt" | tee -a "$LOG"

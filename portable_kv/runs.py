@@ -206,15 +206,16 @@ def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers
     staged_layers = len(layers)
     if staged_layers != 1 and (layers.start != 0 or staged_layers != layer_count):
         return None
-    # Pages not adjacent on the host: a run is whole pages.  With one token a page, the
-    # page stride is the token step (the in-page token stride of a one-token page means nothing).
-    page_major = page_size == 1 or pairs[0].strides.page != page_size * pairs[0].strides.token
+    # Pages not adjacent on the host (in K or V alone: one head can make a layout's pages
+    # adjacent): a run is whole pages.  With one token a page, the page stride is the token
+    # step (the in-page token stride of a one-token page means nothing).
+    page_major = tuple(page_size == 1 or p.strides.page != page_size * p.strides.token for p in pairs)
     token_bytes = sum(p.device_token_bytes for p in pairs) * staged_layers
     chunk = chunk_tokens(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN)
     if chunk == 0:
         return None
     starts, lengths = host_runs(host_idx, chunk, registration_tokens)
-    if page_major and not whole_pages(host_idx, starts, lengths, page_size):
+    if any(page_major) and not whole_pages(host_idx, starts, lengths, page_size):
         return None
     chunks = tuple(range(b, min(b + chunk, host_idx.size)) for b in range(0, host_idx.size, chunk))
     pages = chunk // page_size
@@ -223,6 +224,6 @@ def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers
     offsets = (0, -(-k_bytes // STAGING_ALIGN) * STAGING_ALIGN)
     slot = offsets[1] + chunk * staged_layers * pairs[1].device_token_bytes
     chunk_of_run = starts // chunk
-    runs = tuple(copies(p.strides, s, page_size, page_major, host_idx[starts], starts - chunk_of_run * chunk, lengths,
-                        staged_layers, chunk_of_run, len(chunks)) for p, s in zip(pairs, staging))
+    runs = tuple(copies(p.strides, s, page_size, major, host_idx[starts], starts - chunk_of_run * chunk, lengths,
+                        staged_layers, chunk_of_run, len(chunks)) for p, s, major in zip(pairs, staging, page_major))
     return StagedPlan(chunk, chunks, staged_layers, staging, offsets, slot, runs)

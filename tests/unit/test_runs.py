@@ -105,6 +105,16 @@ def test_pitches_past_the_device_maximum_become_rows_of_their_own(monkeypatch):
     assert np.diff(k.host).tolist() == [64 * 4 * K_TOKEN] * (L - 1)
 
 
+def test_k_and_v_are_folded_each_by_its_own_strides():
+    """page_head with one layer: one K head makes K's pages adjacent, two V heads keep V's apart."""
+    P = 2
+    host = [torch.empty(host_shape("page_head", 1, 4, P, heads, 1), dtype=torch.float16) for heads in (1, 2)]
+    device = [[torch.empty(8, heads, 1, dtype=torch.float16)] for heads in (1, 2)]
+    both = tuple(tensor_pair(h, d, "page_head", P) for h, d in zip(host, device))
+    k, v = runs.plan(np.arange(4), both, "page_head", P, range(0, 1), 1, 1 << 20).copies
+    assert (k.width[0], k.height[0]) == (8, 1) and (v.width[0], v.height[0]) == (16, 1)
+
+
 def test_page_layouts_need_whole_pages_and_layers_one_or_all():
     P = 4
     assert plan("page_first_direct", P, np.array([1, 2, 3, 4]), range(0, 1)) is None  # not page aligned

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "cuda and triton (the full run about 7 minutes and 41 GB of host memory); on the CPU backend about 50 s "
                           "(the full run about 4 minutes)")
     how.add_argument("--store", choices=STORES, default="",
-                     help="benchmark an L3 store (put and get of whole pages through the host pool) instead of the GPU link")
+                     help="benchmark an L3 store instead of the GPU link: put and get of whole pages against the store's own bulk "
+                          "transfer (mooncake starts a loopback master); takes --page-size and --reps")
     out = p.add_argument_group("output")
     out.add_argument("--json", type=str, default="", metavar="PATH", help="write every number and the run's settings here")
     out.add_argument("--markdown", type=str, default="", metavar="PATH", help="write the summary tables (as in the README) here")
@@ -76,6 +77,11 @@ def store_bench(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("portable_kv.storage") is None or importlib.util.find_spec("portable_kv.storage.bench") is None:
         raise ImportError(f"--store {args.store}: this install has no storage benchmark (portable_kv.storage.bench); "
                           "update portable-kv, or leave --store out to measure the GPU link")
+    written = [flag for flag, value in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)) if value]
+    if written:
+        raise ValueError(f"--store prints its own table; {', '.join(written)} belong to the GPU-link benchmark (leave them out)")
     from ..storage import bench as storage_bench
+    from .run import page_sizes
 
-    return storage_bench.run(args)
+    storage_bench.run(args.store, page_sizes=tuple(page_sizes(args.page_size)), repeats=args.reps or 3)
+    return 0

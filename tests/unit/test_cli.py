@@ -196,6 +196,17 @@ def test_bench_store_without_a_storage_benchmark(monkeypatch, capsys):
     assert "--store local" in capsys.readouterr().err
 
 
+def test_bench_store_runs_the_storage_benchmark(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("portable_kv.storage.bench") is None:
+        pytest.skip("this checkout has no storage benchmark")
+    assert main(["bench", "--store", "local", "--page-size", "64", "--reps", "1"]) == 0
+    assert "| local | page_first_direct | 64 |" in capsys.readouterr().out
+    assert main(["bench", "--store", "local", "--json", "x.json"]) == 2  # refused before anything runs
+    assert "--json belong to the GPU-link benchmark" in capsys.readouterr().err
+
+
 def test_bench_rerenders_the_saved_h200_run(tmp_path, capsys):
     saved = ROOT / "bench_results" / "bench.json"
     if not saved.exists():

@@ -42,7 +42,7 @@ class Setting:
         return (self.raw() or "0") not in ("0", "false", "no", "off")
 
 
-BACKEND = Setting("PORTABLE_KV_BACKEND", None, "backend to bind at import: cuda, rocm, triton or cpu (default: detected)")
+BACKEND = Setting("PORTABLE_KV_BACKEND", None, "backend to bind at first use: cuda, rocm, triton or cpu (default: detected)")
 BLOCKS = Setting("PORTABLE_KV_BLOCKS", None, "block quota of the kernel io path (default: 16 on NVIDIA, 32 on AMD)")
 DMA_STREAMS = Setting("PORTABLE_KV_DMA_STREAMS", "4", "streams one direct-io transfer is spread over, one copy engine each")
 CACHE = Setting("PORTABLE_KV_CACHE", None, "directory of compiled kernels (default: $XDG_CACHE_HOME/portable_kv or ~/.cache/portable_kv)")

@@ -30,7 +30,7 @@ def check_layout(layout: str) -> str:
 
 
 def host_shape(layout: str, layers: int, pages: int, page_size: int, heads: int, head_dim: int) -> tuple[int, ...]:
-    """Shape of one host buffer (K or V) as API.md's table gives it."""
+    """Shape of one host buffer (K or V) as docs/API.md's table gives it."""
     tokens = pages * page_size
     return {
         "layer_first": (layers, tokens, heads, head_dim),

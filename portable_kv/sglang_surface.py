@@ -7,7 +7,7 @@ Semantics follow SGLang's `HostKVCache` (mem_cache/pool_host/base.py) and
 layers, the same return types.  One deliberate difference: SGLang's MHA pool
 ignores the `device_pool` argument of its transfers and copies to the buffers
 it captured at construction; portable_kv moves the buffers of the pool it is
-given (API.md's contract), checked once per pool by the identity of its
+given (docs/API.md's contract), checked once per pool by the identity of its
 tensors.  For SGLang's own device pools the two are the same tensors, and a
 relocated device pool is followed instead of written behind its back.
 """

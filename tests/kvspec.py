@@ -14,7 +14,7 @@ TOKEN_LAYOUTS = ("layer_first", "page_first")
 
 
 def host_row(buffer: torch.Tensor, layout: str, page_size: int, token: int, layer: int) -> torch.Tensor:
-    """(heads, head_dim) of one token and layer in a host buffer, straight from API.md's shape table."""
+    """(heads, head_dim) of one token and layer in a host buffer, straight from docs/API.md's shape table."""
     page, offset = divmod(token, page_size)
     if layout == "layer_first":
         return buffer[layer, token]

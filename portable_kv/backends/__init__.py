@@ -2,7 +2,7 @@
 
 The registry knows backends by name only; each backend module says itself
 whether it can run here (Backend.unavailable_reason) and holds every vendor
-detail.  Order of detection (API.md): PORTABLE_KV_BACKEND, then ROCm, then
+detail.  Order of detection (docs/API.md): PORTABLE_KV_BACKEND, then ROCm, then
 CUDA, then the CPU reference.
 """
 

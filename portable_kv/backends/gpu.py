@@ -99,6 +99,17 @@ class GpuBackend(Backend):
     def layer_table(self, buffers: Sequence[torch.Tensor]) -> LayerTable:
         return self._tables.get(buffers, lambda: LayerTable(buffers, self.device))
 
+    @property
+    def dma_streams(self) -> int:
+        """Streams (copy engines) one direct-io transfer is spread over; settable between calls."""
+        return self.runtime.dma_streams
+
+    @dma_streams.setter
+    def dma_streams(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"dma_streams: expected an int >= 1, got {value!r}")
+        self.runtime.dma_streams = value
+
     def register_host(self, address: int, nbytes: int) -> int:
         return self.runtime.register_host(address, nbytes)
 

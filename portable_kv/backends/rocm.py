@@ -149,7 +149,7 @@ class HipRuntime(DeviceRuntime):
 class RocmBackend(GpuBackend):
     name = "rocm"
     vendor = "amd"
-    # hipHostRegister may map a range at another device address than the host's (DESIGN.md).
+    # hipHostRegister may map a range at another device address than the host's (docs/DESIGN.md).
     kernel_reads_registered_memory = False
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Pages for storage tiers (API.md): SGLang's byte order, views and page addresses, per layout."""
+"""Pages for storage tiers (docs/API.md): SGLang's byte order, views and page addresses, per layout."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def pools(request, backend, gen):
 
 
 def expected_block(buffer, layout, first):
-    """One page's K (or V) block in the layout's flat order, built row by row from API.md's shape table."""
+    """One page's K (or V) block in the layout's flat order, built row by row from docs/API.md's shape table."""
     rows = torch.stack([torch.stack([host_row(buffer, layout, P, first + p, layer) for layer in range(L)]) for p in range(P)])
     return torch.einsum(f"plhd->{FLAT_ORDER[layout]}", rows).reshape(-1)  # rows: (page token, layer, head, dim)
 

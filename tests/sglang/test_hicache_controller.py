@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import LAYERS, PAGE, SKIP_REASON, device_pool
+from sglangkit import LAYERS, PAGE, SKIP_REASON, device_pool
 
 pytest.importorskip("sglang.srt.managers.cache_controller", reason=SKIP_REASON)
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import PAGE, SKIP_REASON, device_pool
+from sglangkit import PAGE, SKIP_REASON, device_pool
 
 pytest.importorskip("sglang.srt.managers.cache_controller", reason=SKIP_REASON)
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation  # noqa: E402

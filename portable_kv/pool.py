@@ -31,6 +31,8 @@ from .validation import IndexValidator
 # Registered host memory is split into pieces of whole pages: a page-major layout
 # keeps every copy inside one page, so inside one registration.
 REGISTERED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
+# io paths on which GPU threads may read host memory: kernel, and the two that fall back to it.
+SM_READS_HOST = ("kernel", "staged", "auto")
 
 
 class Binding(NamedTuple):
@@ -70,8 +72,8 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self.page_num = max(1, -(-tokens // self.page_size))
         self.size = self.page_num * self.page_size
         self.pin_memory = bool(pin_memory) and self.backend.pins_memory
-        if self.io_backend == "kernel" and self.backend.device.type != "cpu" and not self.pin_memory:
-            raise ValueError("io_backend='kernel': GPU threads read host memory directly, which needs pin_memory=True")
+        if self.io_backend in SM_READS_HOST and self.backend.device.type != "cpu" and not self.pin_memory:
+            raise ValueError(f"io_backend={self.io_backend!r}: GPU threads read host memory directly (staged and auto fall back to that), which needs pin_memory=True")
         self.host_memory = self._check_host_memory_kind(host_memory)
         check_available(self.size * token_bytes)
         self.placement: Placement = placement(self.backend.device, numa_node)
@@ -79,7 +81,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
                        for heads, dim in ((geometry.k_heads, geometry.k_dim), (geometry.v_heads, geometry.v_dim)))
         self._memory = HostMemory(self.backend, self.host_memory, shapes, self.dtype, self.page_num, self.page_size,
                                   self.pin_memory, self.placement.node)
-        if self._memory.device_addresses_differ and self.io_backend == "kernel":
+        if self._memory.device_addresses_differ and self.io_backend in SM_READS_HOST:
             self._memory.release()
             raise ValueError("host_memory='registered': this GPU maps registered memory at another address; use io_backend='direct'")
         self.k_buffer, self.v_buffer = self._memory.k, self._memory.v
@@ -103,7 +105,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         if host_memory == "registered":
             if self.layout not in REGISTERED_LAYOUTS:
                 raise ValueError(f"host_memory='registered': expected a page-major layout ({', '.join(REGISTERED_LAYOUTS)}), got {self.layout!r}")
-            if self.io_backend == "kernel" and not self.backend.kernel_reads_registered_memory:
+            if self.io_backend in SM_READS_HOST and not self.backend.kernel_reads_registered_memory:
                 raise ValueError(f"host_memory='registered' with backend {self.backend.name!r}: use io_backend='direct' (its kernels need page-locked allocations)")
         return host_memory
 

@@ -113,12 +113,16 @@ def measure(args: argparse.Namespace, geometry: Geometry, sizes: list[int], name
     return rows, ceil
 
 
+# The main run's io paths; staged and auto are measured by --section staged.
+IO_PATHS = ("kernel", "direct")
+
+
 def package(args: argparse.Namespace, clock: Clock, w: Workload, reps: int, ceil: dict, name: str, first: bool) -> list:
     """Every layout x io backend of one backend, and on a GPU the sweeps, both ways and interference."""
     backend = backends.use(name)
     rows = []
     for layout in LAYOUTS:
-        for io in backend.io_backends:
+        for io in (io for io in backend.io_backends if io in IO_PATHS):
             progress(f"  {name} {layout} {io}")
             with w.host_pool(layout, io) as host:
                 rows += sections.bench_pool(clock, w, host, io, reps, ceil, "package", f"{name} {layout} {io}")
@@ -130,8 +134,9 @@ def package(args: argparse.Namespace, clock: Clock, w: Workload, reps: int, ceil
         progress(f"  {name} registered host memory")
         rows += sections.registered_memory(clock, w, reps, ceil, name)
     if w.page_size == 64:
-        for load_io in backend.io_backends:
-            for backup_io in backend.io_backends:
+        # staged and auto have their own section (--section staged), both ways included.
+        for load_io in IO_PATHS:
+            for backup_io in IO_PATHS:
                 rows.append(sections.both_directions(clock, w, reps, ceil, name, load_io, backup_io))
         if getattr(backend, "kernel_reads_registered_memory", True):
             rows.append(sections.both_directions(clock, w, reps, ceil, name, "kernel", "kernel", "registered"))

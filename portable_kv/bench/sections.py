@@ -223,12 +223,17 @@ def host_cost(clock: Clock, w: Workload, name: str) -> list[Row]:
     rows = []
     for io in backends.current().io_backends:
         with w.host_pool("page_first_direct", io) as host:
-            def load(host=host, layer=[0]) -> None:  # noqa: B006 -- the mutable default is the call counter
-                host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, layer[0])
-                layer[0] = (layer[0] + 1) % w.layers
+            # As SGLang's cache controller passes them: host indices moved to the GPU for kernel io.
+            host_idx = w.host_idx.to(w.dev_idx.device) if io == "kernel" else w.host_idx
+            dev_idx = w.dev_idx if io == "kernel" else w.dev_idx.cpu()
+            host_idx, dev_idx = host.prepare_transfer_indices(host_idx, dev_idx, io)
+            for label, call in (("per-layer load", host.load_to_device_per_layer), ("SGLang load_to_device_per_layer_physical", host.load_to_device_per_layer_physical)):
+                def load(call=call, h=host_idx, d=dev_idx, io=io, layer=[0]) -> None:  # noqa: B006 -- the mutable default is the call counter
+                    call(w.dev, h, d, layer[0], io)
+                    layer[0] = (layer[0] + 1) % w.layers
 
-            rows.append(Row("host_cost", f"{name} per-layer load, {io} io", "h2d", w.page_size, host_us=clock.host_us(load),
-                            extra={"pages": w.pages, "layers": w.layers}))
+                rows.append(Row("host_cost", f"{name} {label}, {io} io", "h2d", w.page_size, host_us=clock.host_us(load),
+                                extra={"pages": w.pages, "layers": w.layers}))
     x = torch.zeros(1, device=w.dev.device)
     rows.append(Row("host_cost", "yardstick: torch x.add_(1), 1 element", "-", host_us=clock.host_us(lambda: x.add_(1))))
     if clock.gpu:

@@ -63,12 +63,18 @@ class StagingRule:
 
     min_row_bytes: int = 1024
     min_copy_bytes: int = 512 << 10
+    # Whether `auto` may pick staging.  On the H200 it does not: measured against the kernel
+    # path in one run (bench --section staged, allocator pages after churn, page 64 / 16),
+    # staged loads reach 47.0 / 36.4 GB/s against the kernel's 49.2 / 49.4, backups 51.9 /
+    # 51.7 against 51.2 / 51.0, and a load and a backup at once 54.6 / 49.6 against 64.8 /
+    # 64.2 (docs/PERFORMANCE.md).  `staged` stays an explicit choice.
+    auto_stages: bool = True
 
     def carries(self, staged: StagedPlan) -> bool:
         return staged.copy_count == 0 or (staged.min_width >= self.min_row_bytes and staged.mean_copy_bytes >= self.min_copy_bytes)
 
 
-LINK_RULE = StagingRule()
+LINK_RULE = StagingRule(auto_stages=False)
 # The CPU backend models the path to run its planning in CI: it stages whatever staging can carry.
 EVERY_PLAN = StagingRule(0, 0)
 
@@ -386,9 +392,10 @@ class AutoMover(Mover):
     2. the direct plan's copies (runs consecutive on both sides) average at least
        `rule.min_copy_bytes` (512 KiB): `direct`, the copy engines straight between the
        pools, no SM and no staging;
-    3. the staged plan's copies (runs consecutive on the host) average at least that
-       and its rows are at least `rule.min_row_bytes` (1 KiB): `staged`, the copy
-       engines to the ceiling each way and both ways at once, 8 SMs in device memory;
+    3. where `rule.auto_stages` (not on GPUs: the H200 measured staging below the kernel
+       path, see StagingRule), the staged plan's copies (runs consecutive on the host)
+       average at least that and its rows are at least `rule.min_row_bytes` (1 KiB):
+       `staged`;
     4. otherwise `kernel`: short host runs would make the copy engines wait on the
        host's ~6.5 us per copy, where the kernel path holds 91-94% at any placement.
     """
@@ -423,7 +430,7 @@ class AutoMover(Mover):
             descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
         if descriptors and nbytes / descriptors >= self.rule.min_copy_bytes:
             return "direct"
-        if self.movers["staged"].carries(transfer, self.rule):
+        if self.rule.auto_stages and self.movers["staged"].carries(transfer, self.rule):
             return "staged"
         return "kernel"
 

@@ -27,3 +27,14 @@ def backend(request):
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    """The simulated GPU backend (tests/fake_gpu.py: real kernel arguments, a Python model of
+    the kernel, 2-D copies row by row) bound for the test."""
+    monkeypatch.setitem(backends._REGISTRY, "simulated", "fake_gpu:SimulatedGpuBackend")
+    backends._instances.pop("simulated", None)
+    before = backends.current().name
+    yield backends.use("simulated")
+    backends.use(before)

@@ -62,6 +62,8 @@ class SimulatedRuntime(DeviceRuntime):
         super().__init__(_VersionOnly(), 0)
         self.has_batch = True  # batch_call below
 
+    import_bindings = staticmethod(lambda: (None, None))  # no vendor binding: nothing is compiled
+
     def arch(self) -> str:
         return "model"
 

@@ -139,3 +139,20 @@ def cpu_device(self) -> torch.device:
 def no_stream(self) -> int:
     """A runtime's current stream where no GPU is: a fixed handle the tests look for."""
     return 0x5EED
+
+
+FAKE_STREAM = 0x5EED  # the stream handle the fake runtimes report as current
+
+
+def fake_rocm_backend(monkeypatch, tmp_path):
+    """A RocmBackend over the fake hip-python and libamdhip64 (device: the CPU); returns
+    (backend, hip, hiprtc, lib)."""
+    from portable_kv.backends import rocm
+
+    hip, hiprtc = install_fake_hip(monkeypatch)
+    monkeypatch.setenv("PORTABLE_KV_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(rocm.RocmBackend, "_device", cpu_device)
+    monkeypatch.setattr(rocm.HipRuntime, "arch", lambda self: "gfx942:sramecc+:xnack-")
+    monkeypatch.setattr(rocm.HipRuntime, "current_stream", lambda self: FAKE_STREAM)
+    lib = FakeLib(70200000, HIP_SYMBOLS)
+    return rocm.RocmBackend(runtime=rocm.HipRuntime(lib=lib)), hip, hiprtc, lib

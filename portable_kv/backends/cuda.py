@@ -74,7 +74,6 @@ class CudaRuntime(DeviceRuntime):
         super().__init__(lib if lib is not None else runtime_library(), device_index)
         self.attrs = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
         self.attrs_index = ctypes.c_size_t(0)
-        self._bindings: tuple[Any, Any] | None = None  # (driver, nvrtc), imported at first use
         self._launch_kernel: Any = None  # libcuda's cuLaunchKernel, opened at the first launch
 
     @property
@@ -85,10 +84,7 @@ class CudaRuntime(DeviceRuntime):
     def nvrtc(self) -> Any:
         return self._vendor_bindings()[1]
 
-    def _vendor_bindings(self) -> tuple[Any, Any]:
-        if self._bindings is None:
-            self._bindings = bindings()
-        return self._bindings
+    import_bindings = staticmethod(lambda: bindings())
 
     def arch(self) -> str:
         major, minor = torch.cuda.get_device_capability(self.device_index)

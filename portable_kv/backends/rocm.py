@@ -89,7 +89,6 @@ class HipRuntime(DeviceRuntime):
         u = ctypes.c_uint
         self.lib.hipModuleLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.hipModuleLaunchKernel.restype = ctypes.c_int
-        self._bindings: tuple[Any, Any] | None = None  # (hip, hiprtc), imported at first use
 
     @property
     def hip(self) -> Any:
@@ -99,10 +98,7 @@ class HipRuntime(DeviceRuntime):
     def hiprtc(self) -> Any:
         return self._vendor_bindings()[1]
 
-    def _vendor_bindings(self) -> tuple[Any, Any]:
-        if self._bindings is None:
-            self._bindings = bindings()
-        return self._bindings
+    import_bindings = staticmethod(lambda: bindings())
 
     def arch(self) -> str:
         # "gfx942:sramecc+:xnack-": the features matter to hiprtc's --offload-arch.

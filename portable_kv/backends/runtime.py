@@ -76,6 +76,7 @@ class DeviceRuntime(ABC):
         # engine. H200, page 64: 41.5 GB/s on 1 stream, 45.4 on 2, 55.5 on 4 (docs/PERFORMANCE.md).
         self.dma_streams: int = config.DMA_STREAMS.integer(minimum=1) or 1
         self._bound = threading.local()
+        self._bindings: tuple[Any, Any] | None = None  # the vendor's (runtime, compiler) modules, imported at first use
 
     def _fn(self, name: str) -> Any:
         return getattr(self.lib, self.prefix + name)
@@ -86,6 +87,16 @@ class DeviceRuntime(ABC):
         return name(code).decode()
 
     # -- code objects (the vendor's binding) ---------------------------------------------
+
+    @staticmethod
+    @abstractmethod
+    def import_bindings() -> tuple[Any, Any]:
+        """The vendor's Python binding modules: (driver, nvrtc) | (hip, hiprtc)."""
+
+    def _vendor_bindings(self) -> tuple[Any, Any]:
+        if self._bindings is None:
+            self._bindings = self.import_bindings()
+        return self._bindings
 
     @abstractmethod
     def arch(self) -> str:

@@ -13,20 +13,10 @@ import torch
 from hypothesis import given
 from kvspec import bits
 
-from portable_kv import backends
 from portable_kv.backends import gpu
 from portable_kv.backends import kernel_args as ka
 
 HEADER = Path(ka.__file__).resolve().parents[1] / "kernels_common" / "kv_copy.h"
-
-
-@pytest.fixture
-def simulated(monkeypatch):
-    monkeypatch.setitem(backends._REGISTRY, "simulated", "fake_gpu:SimulatedGpuBackend")
-    backends._instances.pop("simulated", None)
-    before = backends.current().name
-    yield backends.use("simulated")
-    backends.use(before)
 
 
 def test_struct_mirrors_the_header():

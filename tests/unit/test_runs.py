@@ -10,7 +10,7 @@ import ctypes
 import numpy as np
 import pytest
 import torch
-from fake_runtimes import CUDART_SYMBOLS, HIP_SYMBOLS, FakeLib, cpu_device, install_fake_hip
+from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, FakeLib, fake_rocm_backend
 from kvspec import bits, host_row, page_tokens, randomize
 
 import portable_kv as pk
@@ -21,7 +21,7 @@ from portable_kv.backends.runtime import MEMCPY_DEFAULT
 from portable_kv.layout import host_shape
 from portable_kv.plan import tensor_pair
 
-STREAM = 0x5EED
+STREAM = FAKE_STREAM
 L, H, KD, VD, ITEM = 8, 4, 192, 128, 2  # MiMo-V2's K 192 / V 128, 4 heads, bf16
 K_TOKEN, V_TOKEN = H * KD * ITEM, H * VD * ITEM
 
@@ -153,15 +153,6 @@ def test_a_plan_fits_its_slot_and_cuts_runs_at_chunks():
 # -- the staged mover on a simulated GPU and against a fake HIP runtime -------------------------
 
 
-@pytest.fixture
-def simulated(monkeypatch):
-    monkeypatch.setitem(backends._REGISTRY, "simulated", "fake_gpu:SimulatedGpuBackend")
-    backends._instances.pop("simulated", None)
-    before = backends.current().name
-    yield backends.use("simulated")
-    backends.use(before)
-
-
 def filled_pools(layout: str = "page_first_direct", io: str = "staged", P: int = 4, layers: int = 3):
     dev = pk.DeviceKVPool(layers, 16 * P, P, 2, 24, 16, dtype=torch.bfloat16)
     host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=io)
@@ -191,13 +182,7 @@ def test_staged_on_the_simulated_gpu_runs_the_kernel_arguments_and_2d_copies(sim
 
 @pytest.fixture
 def fake_rocm(monkeypatch, tmp_path):
-    install_fake_hip(monkeypatch)
-    monkeypatch.setenv("PORTABLE_KV_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(rocm.RocmBackend, "_device", cpu_device)
-    monkeypatch.setattr(rocm.HipRuntime, "arch", lambda self: "gfx942:sramecc+:xnack-")
-    monkeypatch.setattr(rocm.HipRuntime, "current_stream", lambda self: STREAM)
-    lib = FakeLib(70200000, HIP_SYMBOLS)
-    backend = rocm.RocmBackend(runtime=rocm.HipRuntime(lib=lib))
+    backend, _, _, lib = fake_rocm_backend(monkeypatch, tmp_path)
     monkeypatch.setitem(backends._instances, "rocm", backend)
     monkeypatch.setattr(rocm.RocmBackend, "unavailable_reason", classmethod(lambda cls: None))
     before = backends.current().name

@@ -9,14 +9,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from fake_runtimes import CUDART_SYMBOLS, HIP_SYMBOLS, FakeLib, cpu_device, install_fake_hip
+from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, FakeLib, fake_rocm_backend, install_fake_hip
 
 from portable_kv.backends import base, cuda, dma, rocm
 from portable_kv.backends import kernel_args as ka
 from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError, check
 from portable_kv.plan import CopyBatch
 
-STREAM = 0x5EED
+STREAM = FAKE_STREAM
 
 
 def batch(n: int) -> CopyBatch:
@@ -25,14 +25,7 @@ def batch(n: int) -> CopyBatch:
 
 @pytest.fixture
 def fake_rocm(monkeypatch, tmp_path):
-    hip, hiprtc = install_fake_hip(monkeypatch)
-    monkeypatch.setenv("PORTABLE_KV_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(rocm.RocmBackend, "_device", cpu_device)
-    monkeypatch.setattr(rocm.HipRuntime, "arch", lambda self: "gfx942:sramecc+:xnack-")
-    monkeypatch.setattr(rocm.HipRuntime, "current_stream", lambda self: STREAM)
-    lib = FakeLib(70200000, HIP_SYMBOLS)
-    backend = rocm.RocmBackend(runtime=rocm.HipRuntime(lib=lib))
-    return backend, hip, hiprtc, lib
+    return fake_rocm_backend(monkeypatch, tmp_path)
 
 
 def test_rocm_compiles_with_hiprtc_for_the_device_arch_and_caches(fake_rocm, monkeypatch):

@@ -9,8 +9,8 @@ Bounded waits: the constructor probes the master's RPC port (TCP connect,
 MASTER_PROBE_S) before Mooncake's own setup, which would retry for about
 90 s.  Once set up, every call returns within Mooncake's RPC timeouts: with
 the master gone, a lookup or get fails at once (RPC_FAIL, -900) and a put
-within about 4.3 s; `close()` then takes about 11 s (the client's unmount
-retries).  Failed pages are reported False, never raised.
+within about 4.3 s; `close()` then takes 11-20 s (the client's own unmount
+retries; ~15 s seen on a loaded 2-core machine).  Failed pages are reported False, never raised.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ pytestmark = needs_mooncake
 # Mooncake's own RPC timeouts bound each call once the master is gone (mooncake.py's docstring):
 # a lookup or get fails at once, a put within ~4.3 s, close() within ~12 s.
 CALL_BOUND_S = 15.0
+# close() with the master gone waits out the client's own unmount retries: ~11 s idle, ~15 s on
+# a loaded 2-core machine (docs/API.md); bounded, but not by our call bound.
+CLOSE_BOUND_S = 30.0
 
 
 def big_pages_host():
@@ -87,17 +90,20 @@ def test_master_killed_during_a_batch_and_between_calls(own_master):
     # During: puts of fresh batches while the master is killed; each call must return in bounded time.
     killer = threading.Timer(0.2, own_master.kill)
     killer.start()
-    slowest, answers = 0.0, []
+    slowest = 0.0
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and own_master.process.poll() is None:
         started = time.monotonic()
-        answers.append(store.put(unique_keys(16), page_tokens(torch.arange(8, 24), P)))
+        store.put(unique_keys(16), page_tokens(torch.arange(8, 24), P))
         slowest = max(slowest, time.monotonic() - started)
-        if own_master.process.poll() is not None and False in answers[-1]:
-            break
     killer.join()
+    assert own_master.process.poll() is not None, "the master was not killed"
+    # Once the master is gone, a put stores nothing and says so page by page.
+    started = time.monotonic()
+    answer = store.put(unique_keys(16), page_tokens(torch.arange(8, 24), P))
+    slowest = max(slowest, time.monotonic() - started)
     assert slowest < CALL_BOUND_S
-    assert answers[-1] == [False] * 16
+    assert answer == [False] * 16
 
     # Between calls: misses and per-page False, the host pool untouched.
     before = pool_bytes(host)
@@ -109,4 +115,4 @@ def test_master_killed_during_a_batch_and_between_calls(own_master):
     assert changed_pages(host, before) == set()
     started = time.monotonic()
     store.close()
-    assert time.monotonic() - started < CALL_BOUND_S
+    assert time.monotonic() - started < CLOSE_BOUND_S

@@ -17,7 +17,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench
 
 # Paths the docs name on purpose that are not files of this repository: SGLang's
 # and Mooncake's sources, paths on the machine a command runs on, and files a
-# command writes.
+# command writes (out/, the carried wheels in .whl/).
 OUTSIDE = re.compile(
     r"^(sglang/|python/sglang/|mem_cache/|hybrid_cache/|srt/|mooncake|~|/|\$|<)"
     r"|^(cache_controller|mooncake_store|base|mha|memory_pool_host)\.py$"

@@ -21,7 +21,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench
 OUTSIDE = re.compile(
     r"^(sglang/|python/sglang/|mem_cache/|hybrid_cache/|srt/|mooncake|~|/|\$|<)"
     r"|^(cache_controller|mooncake_store|base|mha|memory_pool_host)\.py$"
-    r"|^(mi300|bench|out)\.(json|md|png)$|^PATH$|^out/$|^\\.whl/$"
+    r"|^(mi300|bench|out)\.(json|md|png)$|^PATH$|^out/$|^\.whl/$"
 )
 FILE_SUFFIXES = (".md", ".py", ".sh", ".json", ".txt", ".ini", ".toml")
 

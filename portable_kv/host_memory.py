@@ -33,10 +33,6 @@ HOST_MEMORY = ("pinned", "registered")
 REGISTRATION_BYTES = 1 << 30
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def check_available(nbytes: int) -> None:
     """Refuse a pool that would leave less than the reserve (PORTABLE_KV_HOST_RESERVE) to the OS and the engine."""
     available = _available_host_memory()
@@ -89,14 +85,14 @@ class HostMemory:
         try:
             return self.backend.allocate_host(shape, self.dtype, pin)
         except RuntimeError as exc:
-            nbytes = math.prod(shape) * itemsize(self.dtype)
+            nbytes = math.prod(shape) * self.dtype.itemsize
             raise MemoryError(
                 f"host pool: page-locking {nbytes / 1e9:.2f} GB was refused ({exc}); lower host_size_gb or "
                 "host_to_device_ratio, raise the locked-memory limit (ulimit -l), or pass pin_memory=False with io_backend='direct'"
             ) from exc
 
     def _registered(self, shape: tuple[int, ...]) -> torch.Tensor:
-        nbytes = math.prod(shape) * itemsize(self.dtype)
+        nbytes = math.prod(shape) * self.dtype.itemsize
         page_bytes = nbytes // self.page_num
         pages_per_piece = max(1, REGISTRATION_BYTES // page_bytes)
         mapping = mmap.mmap(-1, nbytes)

@@ -20,7 +20,7 @@ import torch
 from . import backends
 from .backends.base import IO_BACKENDS, Backend, Mover
 from .device_pool import DeviceGeometry, DeviceKVPool, device_geometry, positive_int
-from .host_memory import HOST_MEMORY, HostMemory, check_available, itemsize
+from .host_memory import HOST_MEMORY, HostMemory, check_available
 from .layout import LAYOUTS, check_layout, host_shape
 from .numa import Placement, placement
 from .pages import PageAccess
@@ -67,7 +67,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self.layer_num, self.dtype = geometry.layers, geometry.dtype
         self.backend.check_dtype(self.dtype)
         self.validate = bool(validate)
-        token_bytes = self.layer_num * (geometry.k_heads * geometry.k_dim + geometry.v_heads * geometry.v_dim) * itemsize(self.dtype)
+        token_bytes = self.layer_num * (geometry.k_heads * geometry.k_dim + geometry.v_heads * geometry.v_dim) * self.dtype.itemsize
         tokens = _host_tokens(host_to_device_ratio, host_size_gb, geometry.tokens, token_bytes)
         self.page_num = max(1, -(-tokens // self.page_size))
         self.size = self.page_num * self.page_size

@@ -41,8 +41,7 @@ class Workload:
 
     def __init__(self, geometry: Geometry, page_size: int, layers: int, device: torch.device) -> None:
         self.dtype = DTYPES[geometry.dtype]
-        item = torch.empty((), dtype=self.dtype).element_size()
-        self.token_layer_bytes = geometry.heads * (geometry.k_dim + geometry.v_dim) * item
+        self.token_layer_bytes = geometry.heads * (geometry.k_dim + geometry.v_dim) * self.dtype.itemsize
         target = GPU_LOAD_BYTES if device.type != "cpu" else CPU_LOAD_BYTES
         self.pages = geometry.pages or -(-int(target // self.token_layer_bytes) // page_size)
         self.page_size, self.layers = page_size, layers

@@ -70,8 +70,16 @@ def _owned_int64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
 
 
-def _snapshot(t: torch.Tensor) -> torch.Tensor | None:
-    return t.clone(memory_format=torch.contiguous_format) if t.device.type == "cpu" else None
+def _stamp(host_indices: torch.Tensor, device_indices: torch.Tensor, device_tokens: int, to_device: bool) -> tuple:
+    return host_indices._version, device_indices._version, device_tokens, to_device
+
+
+def _snapshot(given: torch.Tensor, owned: torch.Tensor) -> torch.Tensor | None:
+    """The values CPU-resident indices were validated with: the pool's own int64 copy where
+    the caller's tensor is int64 (nobody writes it), else a dense copy in the caller's dtype."""
+    if given.device.type != "cpu":
+        return None
+    return owned if given.dtype == owned.dtype else given.clone(memory_format=torch.contiguous_format)
 
 
 _memcmp = ctypes.CDLL(None).memcmp
@@ -114,16 +122,11 @@ class IndexValidator:
     def __call__(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
         tensors = (host_indices, device_indices)
         if type(host_indices) is torch.Tensor and type(device_indices) is torch.Tensor:
-            stamp = (host_indices._version, device_indices._version, device_tokens, to_device)
-            kept = self._kept.lookup(tensors, stamp)
+            kept = self._kept.lookup(tensors, _stamp(host_indices, device_indices, device_tokens, to_device))
             if kept is not None and kept.unchanged(host_indices, device_indices):
                 return kept.pair
-        else:
-            stamp = None
-        kept = self._validate(host_indices, device_indices, device_tokens, to_device)
-        if stamp is None:
-            stamp = (host_indices._version, device_indices._version, device_tokens, to_device)
-        self._kept.store(tensors, kept, stamp)
+        kept = self._validate(host_indices, device_indices, device_tokens, to_device)  # refuses what is not a tensor
+        self._kept.store(tensors, kept, _stamp(host_indices, device_indices, device_tokens, to_device))
         return kept.pair
 
     def _validate(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> ValidatedPair:
@@ -132,6 +135,7 @@ class IndexValidator:
         if host.numel() != dev.numel():
             raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
         host, dev = _owned_int64(host), _owned_int64(dev)
+        snapshots = _snapshot(host_indices, host), _snapshot(device_indices, dev)
         if dev.device != host.device:
             dev = dev.to(host.device)
         pair = IndexPair(host, dev)
@@ -145,7 +149,7 @@ class IndexValidator:
             # Two writes to one slot would race on a GPU: the result would depend on timing.
             check_unique("device_indices" if to_device else "host_indices", dev_np if to_device else host_np)
         self.validations += 1
-        return ValidatedPair(pair, _snapshot(host_indices), _snapshot(device_indices))
+        return ValidatedPair(pair, *snapshots)
 
     def clear(self) -> None:
         self._kept.clear()

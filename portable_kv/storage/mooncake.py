@@ -120,10 +120,14 @@ class MooncakeStore(PageStore):
         self._warn("lookup", [c for c in codes if c < 0])
         return [k == 1 and v == 1 for k, v in zip(codes[0::2], codes[1::2])]
 
-    def _put(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
+    def _objects(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> tuple[list[str], list[int], list[int]]:
+        """Mooncake's objects of the pages, K then V of each: names, addresses, sizes."""
         objects = [f"{name}_{part}" for name in names for part in "kv"]
         ptrs = [p for pair in zip(k_ptrs, v_ptrs) for p in pair]
-        sizes = [self.k_page_bytes, self.v_page_bytes] * len(names)
+        return objects, ptrs, [self.k_page_bytes, self.v_page_bytes] * len(names)
+
+    def _put(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
+        objects, ptrs, sizes = self._objects(names, k_ptrs, v_ptrs)
         # A put to a stored key succeeds without copying (Mooncake), so only the missing objects are sent.
         present = self._client.batch_is_exist(objects)
         missing = [i for i, code in enumerate(present) if code != 1]
@@ -136,9 +140,7 @@ class MooncakeStore(PageStore):
         return [k == 0 and v == 0 for k, v in zip(codes[0::2], codes[1::2])]
 
     def _get(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
-        objects = [f"{name}_{part}" for name in names for part in "kv"]
-        ptrs = [p for pair in zip(k_ptrs, v_ptrs) for p in pair]
-        sizes = [self.k_page_bytes, self.v_page_bytes] * len(names)
+        objects, ptrs, sizes = self._objects(names, k_ptrs, v_ptrs)
         codes = self._client.batch_get_into(objects, ptrs, sizes)
         self._warn("get", [c for c in codes if c < 0 and c != -704])
         return [k == self.k_page_bytes and v == self.v_page_bytes for k, v in zip(codes[0::2], codes[1::2])]

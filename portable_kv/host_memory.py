@@ -70,6 +70,7 @@ class HostMemory:
         self.kind, self.backend, self.dtype = kind, backend, dtype
         self.page_num, self.page_size = page_num, page_size
         self.registration_tokens = 0  # > 0: registered in pieces of this many tokens
+        self.device_addresses_differ = False  # the GPU maps registered memory at another address (kernel io cannot use it)
         self._finalizers: list[weakref.finalize] = []
         with bind_allocations(numa_node):
             if kind == "registered":
@@ -122,8 +123,6 @@ class HostMemory:
                 self.device_addresses_differ = True
         self.registration_tokens = pages_per_piece * self.page_size
         return buffer
-
-    device_addresses_differ = False  # the GPU maps registered memory at another address (kernel io cannot use it)
 
     def release(self) -> None:
         """Unregister now (after in-flight transfers); the memory goes when its last tensor does."""

@@ -1,0 +1,111 @@
+"""Whether dropped and closed host pools give their host memory back, per backend and io
+path, one step at a time (construct; + a per-layer load; + an all-layer backup), and
+where a buffer outlives its pool: who refers to it, from Python or from C++.
+
+Run on a GPU host: python3 tools/host_memory_probe.py [--backends cuda,triton]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import types
+import weakref
+
+import torch
+
+import portable_kv as pk
+from portable_kv import backends
+
+STEPS = ("construct", "load", "load+backup")
+
+
+def referrers(obj: object, depth: int = 0, seen: set[int] | None = None, limit: int = 4) -> list[str]:
+    """The chain of Python objects that refer to `obj`, a few levels up."""
+    seen = seen if seen is not None else {id(sys._getframe())}
+    lines = []
+    for ref in gc.get_referrers(obj):
+        if id(ref) in seen or isinstance(ref, types.FrameType):
+            continue
+        seen.add(id(ref))
+        text = type(ref).__name__
+        if isinstance(ref, dict):
+            text += f" keys={[k for k, v in ref.items() if v is obj][:3]}"
+        lines.append("  " * depth + "<- " + text[:160])
+        if depth < limit and not isinstance(ref, types.ModuleType):
+            lines += referrers(ref, depth + 1, seen, limit)
+    return lines
+
+
+def sharing(buffer: torch.Tensor) -> list[str]:
+    """Live tensors that view the same memory (a view keeps its base's TensorImpl)."""
+    begin = buffer.data_ptr()
+    end = begin + buffer.numel() * buffer.element_size()
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj is not buffer and obj.device.type == "cpu":
+            try:
+                if begin <= obj.data_ptr() < end:
+                    found.append(f"tensor {tuple(obj.shape)} {obj.dtype} base={'yes' if obj._base is not None else 'no'}: "
+                                 + "; ".join(referrers(obj, limit=2)[:6]))
+            except RuntimeError:
+                continue
+    return found
+
+
+def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
+    dev = pk.DeviceKVPool(2, 4096, 16, 4, 192, 128, dtype=torch.bfloat16)
+    idx = torch.arange(512)
+    buffers, pools = [], []
+    for n in range(rounds):
+        host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io)
+        if step != "construct":
+            host.load_to_device_per_layer(dev, idx, idx, n % 2)
+        if step == "load+backup":
+            host.backup_from_device_all_layer(dev, idx, idx)
+        buffers.append(weakref.ref(host.k_buffer))
+        pools.append(weakref.ref(host))
+        if n % 2:
+            host.close()
+        del host
+    backends.current().synchronize()
+    gc.collect()
+    alive = [r() for r in buffers if r() is not None]
+    pools_alive = sum(r() is not None for r in pools)
+    print(f"{backend:7s} {io:7s} {step:12s} buffers alive {len(alive)}/{rounds}, pools alive {pools_alive}/{rounds}")
+    if alive:
+        k = alive[0]
+        print(f"    refcount {sys.getrefcount(k) - 2}, TensorImpl uses {k._use_count()}, gc.garbage {len(gc.garbage)}")
+        for line in referrers(k)[:30]:
+            print("    " + line)
+        for line in sharing(k)[:10]:
+            print("    shares memory: " + line)
+        pool = next((r() for r in pools if r() is not None), None)
+        if pool is not None:
+            print("    pool referrers:")
+            for line in referrers(pool)[:30]:
+                print("    " + line)
+    released = not alive and pools_alive == 0
+    del alive
+    return released
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="cuda,triton")
+    args = parser.parse_args()
+    clean = True
+    for name in args.backends.split(","):
+        if backends.unavailable_reason(name) is not None:
+            print(f"{name}: unavailable ({backends.unavailable_reason(name)})")
+            continue
+        backend = backends.use(name)
+        for io in backend.io_backends:
+            for step in STEPS:
+                clean &= probe(name, io, step)
+    print("every pool released" if clean else "SOME POOLS OUTLIVE THEIR DROP")
+
+
+if __name__ == "__main__":
+    main()

@@ -40,7 +40,10 @@ def buffers(backend: base.Backend, layout: str, dtype: torch.dtype = torch.float
               "page_first_direct": (HOST_TOKENS // P, LAYERS, P), "page_head": (HOST_TOKENS // P, 2, P, LAYERS)}
     k_shape = shapes[layout] + ((2, 8) if layout != "page_head" else (8,))
     v_shape = shapes[layout] + ((2, 4) if layout != "page_head" else (4,))
+    # Page-locked where the backend pins (Triton on a GPU reads host memory only if it is).
     host = [torch.randint(-2**15, 2**15, s, dtype=torch.int16, generator=gen).view(dtype) for s in (k_shape, v_shape)]
+    if backend.pins_memory:
+        host = [t.pin_memory() for t in host]
     device = [[torch.randint(-2**15, 2**15, (TOKENS, 2, d), dtype=torch.int16, generator=gen).view(dtype).to(backend.device)
                for _ in range(LAYERS)] for d in (8, 4)]
     pairs = (tensor_pair(host[0], device[0], layout, P), tensor_pair(host[1], device[1], layout, P))

@@ -54,10 +54,36 @@ def sharing(buffer: torch.Tensor) -> list[str]:
     return found
 
 
+def pinned_in_use() -> int:
+    """Bytes torch's caching host allocator has handed out and not had back (0 where it does not say)."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("allocated_bytes.current", 0))
+
+
+def in_ranges(ranges: list[tuple[int, int]]) -> list[str]:
+    """Live Python tensors whose memory lies in one of `ranges` (a dropped pool's buffers)."""
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            try:
+                address = obj.data_ptr()
+            except RuntimeError:
+                continue
+            if any(begin <= address < end for begin, end in ranges):
+                found.append(f"tensor {tuple(obj.shape)} {obj.dtype} on {obj.device}: " + "; ".join(referrers(obj, limit=3)[:10]))
+    return found
+
+
 def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
     dev = pk.DeviceKVPool(2, 4096, 16, 4, 192, 128, dtype=torch.bfloat16)
     idx = torch.arange(512)
-    buffers, pools = [], []
+    buffers, pools, ranges = [], [], []
+    pinned_before = pinned_in_use()
     for n in range(rounds):
         host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io)
         if step != "construct":
@@ -65,6 +91,7 @@ def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
         if step == "load+backup":
             host.backup_from_device_all_layer(dev, idx, idx)
         buffers.append(weakref.ref(host.k_buffer))
+        ranges += [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (host.k_buffer, host.v_buffer)]
         pools.append(weakref.ref(host))
         if n % 2:
             host.close()
@@ -73,7 +100,12 @@ def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
     gc.collect()
     alive = [r() for r in buffers if r() is not None]
     pools_alive = sum(r() is not None for r in pools)
-    print(f"{backend:7s} {io:7s} {step:12s} buffers alive {len(alive)}/{rounds}, pools alive {pools_alive}/{rounds}")
+    left = pinned_in_use() - pinned_before
+    print(f"{backend:7s} {io:7s} {step:12s} buffers alive {len(alive)}/{rounds}, pools alive {pools_alive}/{rounds}, "
+          f"pinned bytes left {left}")
+    if left > 0:
+        for line in in_ranges(ranges)[:10]:
+            print("    holds dropped memory: " + line)
     if alive:
         k = alive[0]
         print(f"    refcount {sys.getrefcount(k) - 2}, TensorImpl uses {k._use_count()}, gc.garbage {len(gc.garbage)}")
@@ -86,7 +118,7 @@ def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
             print("    pool referrers:")
             for line in referrers(pool)[:30]:
                 print("    " + line)
-    released = not alive and pools_alive == 0
+    released = not alive and pools_alive == 0 and left <= 0
     del alive
     return released
 
@@ -96,6 +128,7 @@ def main() -> None:
     parser.add_argument("--backends", default="cuda,triton")
     args = parser.parse_args()
     clean = True
+    first = True
     for name in args.backends.split(","):
         if backends.unavailable_reason(name) is not None:
             print(f"{name}: unavailable ({backends.unavailable_reason(name)})")
@@ -103,6 +136,10 @@ def main() -> None:
         backend = backends.use(name)
         for io in backend.io_backends:
             for step in STEPS:
+                if first:  # what the process's first pool leaves, once, is reported apart
+                    print("warm-up: ", end="")
+                    probe(name, io, step, rounds=1)
+                    first = False
                 clean &= probe(name, io, step)
     print("every pool released" if clean else "SOME POOLS OUTLIVE THEIR DROP")
 

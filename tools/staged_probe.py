@@ -52,7 +52,6 @@ def probe_page(clock: Clock, backend, geometry: Geometry, page_size: int, args: 
     mover = host._mover("staged")  # noqa: SLF001 -- a probe takes the path apart
     gather_move, memcpy_2d = mover.gather.move, mover.memcpy_2d
     layer = [0]
-    first_blocks = int(args.blocks.split(",")[0])
 
     def load() -> None:
         host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, layer[0] % w.layers)
@@ -67,7 +66,7 @@ def probe_page(clock: Clock, backend, geometry: Geometry, page_size: int, args: 
         mover._plans.clear()  # noqa: SLF001 -- plans are kept per indices, not per chunk count
         for blocks in map(int, args.blocks.split(",")):
             mover.gather.block_quota = blocks
-            parts = ("whole", "kernel only") + (("copies only",) if blocks == first_blocks else ())
+            parts = ("whole", "copies only", "kernel only")
             for part in parts:
                 mover.gather.move = (lambda t: None) if part == "copies only" else gather_move
                 mover.memcpy_2d = (lambda *a: None) if part == "kernel only" else memcpy_2d

@@ -61,6 +61,11 @@ def test_closed_and_dropped_pools_free_their_host_memory(gpu, io):
         pytest.skip(f"{gpu.name} has no {io} path")
     dev = pk.DeviceKVPool(2, 4096, P, 4, 192, 128, dtype=torch.bfloat16)
     idx = page_tokens(torch.arange(32), P)
+    # One pool made and dropped first: on the H200 (torch 2.11) the first pool of a process
+    # leaves 48 MiB counted as in use, once, and never more however many pools follow
+    # (tools/host_memory_probe.py); what is measured is what the next 24 leave behind.
+    with pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io) as host:
+        host.load_to_device_per_layer(dev, idx, idx, 0)
     before = pinned_bytes_in_use()
     alive = []
     for n in range(24):

@@ -61,11 +61,6 @@ def test_closed_and_dropped_pools_free_their_host_memory(gpu, io):
         pytest.skip(f"{gpu.name} has no {io} path")
     dev = pk.DeviceKVPool(2, 4096, P, 4, 192, 128, dtype=torch.bfloat16)
     idx = page_tokens(torch.arange(32), P)
-    # One pool made and dropped first: on the H200 (torch 2.11) the first pool of a process
-    # leaves 48 MiB counted as in use, once, and never more however many pools follow
-    # (tools/host_memory_probe.py); what is measured is what the next 24 leave behind.
-    with pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io) as host:
-        host.load_to_device_per_layer(dev, idx, idx, 0)
     before = pinned_bytes_in_use()
     alive = []
     for n in range(24):
@@ -81,10 +76,13 @@ def test_closed_and_dropped_pools_free_their_host_memory(gpu, io):
     assert sum(ref() is not None for ref in alive) == 0, "host buffers outlive their pools"
     after = pinned_bytes_in_use()
     if before is not None and after is not None:
-        # Other tests of this process may hold pinned memory of their own: what counts is
-        # what these 24 pools left behind, which must be less than one pool's K and V.
-        pool_bytes = sum(t.numel() for t in (dev.k_buffer[0], dev.v_buffer[0])) * 2 * 2 * 2  # K+V, 2 layers, ratio 2, bf16
-        assert after - before < pool_bytes, f"{after - before} bytes of pinned host memory still in use after every pool was dropped"
+        # What counts is growth: 24 pools dropped must not leave more than one pool's blocks
+        # (torch's pinned allocator rounds each buffer up to a power of two).  On the H200
+        # (torch 2.11) torch's count keeps one pool's blocks, 48 MiB here, at most once per
+        # loop, whatever the number of pools (tools/host_memory_probe.py: 0 bytes more over
+        # 138 further pools); other tests of this process may hold pinned memory of their own.
+        blocks = sum(1 << (t.numel() * 2 * 2 * 2 - 1).bit_length() for t in (dev.k_buffer[0], dev.v_buffer[0]))  # 2 layers, ratio 2, bf16
+        assert after - before <= blocks, f"{after - before} bytes of pinned host memory still in use after 24 pools were dropped"
 
 
 def pinned_bytes_in_use() -> int | None:

@@ -3,6 +3,8 @@ path, one step at a time (construct; + a per-layer load; + an all-layer backup),
 where a buffer outlives its pool: who refers to it, from Python or from C++.
 
 Run on a GPU host: python3 tools/host_memory_probe.py [--backends cuda,triton]
+Under compute-sanitizer, pass --show-backtrace no: the sanitizer keeps the Python frames
+of every kernel launch for its reports, and with them the pool each frame's `self` is.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ def referrers(obj: object, depth: int = 0, seen: set[int] | None = None, limit: 
     seen = seen if seen is not None else {id(sys._getframe())}
     lines = []
     for ref in gc.get_referrers(obj):
-        if id(ref) in seen or isinstance(ref, types.FrameType):
+        if id(ref) in seen:
+            continue
+        if isinstance(ref, types.FrameType):  # a frame that outlived its call: held by a traceback or a generator
+            if ref is not sys._getframe(1) and ref.f_code.co_name not in ("probe", "referrers", "main"):
+                lines.append("  " * depth + f"<- frame {ref.f_code.co_filename}:{ref.f_lineno} {ref.f_code.co_name}")
+                seen.add(id(ref))
+                if depth < limit:
+                    lines += referrers(ref, depth + 1, seen, limit)
             continue
         seen.add(id(ref))
         text = type(ref).__name__
@@ -84,6 +93,7 @@ def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
     idx = torch.arange(512)
     buffers, pools, ranges = [], [], []
     pinned_before = pinned_in_use()
+    pool_bytes = 0
     for n in range(rounds):
         host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io)
         if step != "construct":
@@ -92,6 +102,7 @@ def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
             host.backup_from_device_all_layer(dev, idx, idx)
         buffers.append(weakref.ref(host.k_buffer))
         ranges += [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (host.k_buffer, host.v_buffer)]
+        pool_bytes = sum(t.numel() * t.element_size() for t in (host.k_buffer, host.v_buffer))
         pools.append(weakref.ref(host))
         if n % 2:
             host.close()
@@ -115,10 +126,11 @@ def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
             print("    shares memory: " + line)
         pool = next((r() for r in pools if r() is not None), None)
         if pool is not None:
-            print("    pool referrers:")
+            print(f"    pool referrers (refcount {sys.getrefcount(pool) - 2}):")
             for line in referrers(pool)[:30]:
                 print("    " + line)
-    released = not alive and pools_alive == 0 and left <= 0
+    # A few bytes left once per process (the first 4-byte bad-index flags) are not a pool's memory.
+    released = not alive and pools_alive == 0 and left < pool_bytes
     del alive
     return released
 

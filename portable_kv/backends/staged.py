@@ -185,6 +185,15 @@ class Prepared:
         device = torch.from_numpy(transfer.indices.inside(k.strides.tokens, k.device[0].shape[0])[1])
         self.indices = tuple(IndexPair(torch.arange(len(c), dtype=torch.int64), device[c.start:c.stop]) for c in staged.chunks)
         self._pairs: dict[int, tuple[TensorPair, TensorPair]] = {}
+        self._carried: dict[StagingRule, bool] = {}
+
+    def carried_by(self, rule: StagingRule) -> bool:
+        """`rule.carries(self.plan)`, answered once per rule: its numpy reductions cost
+        ~30 us, which a call would spend before its first copy is enqueued."""
+        carried = self._carried.get(rule)
+        if carried is None:
+            carried = self._carried[rule] = rule.carries(self.plan)
+        return carried
 
     def pairs(self, slot: Slot, transfer: Transfer, indexing: bool) -> tuple[TensorPair, TensorPair]:
         """K and V of `slot` as the copy kernel's "host" side: the staging miniatures.
@@ -296,12 +305,12 @@ class StagedMover(Mover):
     def carries(self, transfer: Transfer, rule: StagingRule | None = None) -> bool:
         """Whether `transfer` goes through staging under `rule` (default: this mover's own)."""
         prepared = self.plan(transfer)
-        return prepared is not None and (rule or self.rule).carries(prepared.plan)
+        return prepared is not None and prepared.carried_by(rule or self.rule)
 
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
         prepared = self.plan(transfer)
-        if prepared is None or not self.rule.carries(prepared.plan):
+        if prepared is None or not prepared.carried_by(self.rule):
             self.fallback.move(transfer)
             return
         with self._lock:

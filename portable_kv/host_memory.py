@@ -69,12 +69,15 @@ class HostMemory:
             raise ValueError(f"host_memory: expected one of {', '.join(HOST_MEMORY)}, got {kind!r}")
         self.kind, self.backend, self.dtype = kind, backend, dtype
         self.page_num, self.page_size = page_num, page_size
-        self.registration_tokens = 0  # > 0: registered in pieces of this many tokens
+        # K's and V's: > 0, registered in pieces of this many tokens (K and V pages differ in
+        # size, so their 1 GiB pieces hold different page counts)
+        self.registration_tokens = (0, 0)
         self.device_addresses_differ = False  # the GPU maps registered memory at another address (kernel io cannot use it)
         self._finalizers: list[weakref.finalize] = []
         with bind_allocations(numa_node):
             if kind == "registered":
-                self.k, self.v = self._registered(shapes[0]), self._registered(shapes[1])
+                (self.k, k_tokens), (self.v, v_tokens) = self._registered(shapes[0]), self._registered(shapes[1])
+                self.registration_tokens = (k_tokens, v_tokens)
             else:
                 if numa_node is not None and pin:
                     # torch's pinned allocator reuses freed blocks (rounded up to powers of two),
@@ -92,7 +95,8 @@ class HostMemory:
                 "host_to_device_ratio, raise the locked-memory limit (ulimit -l), or pass pin_memory=False with io_backend='direct'"
             ) from exc
 
-    def _registered(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def _registered(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+        """The buffer, and the tokens each registered piece of it holds."""
         nbytes = math.prod(shape) * self.dtype.itemsize
         page_bytes = nbytes // self.page_num
         pages_per_piece = max(1, REGISTRATION_BYTES // page_bytes)
@@ -121,8 +125,7 @@ class HostMemory:
             registrations.addresses.append(base + offset)
             if device_address != base + offset:
                 self.device_addresses_differ = True
-        self.registration_tokens = pages_per_piece * self.page_size
-        return buffer
+        return buffer, pages_per_piece * self.page_size
 
     def release(self) -> None:
         """Unregister now (after in-flight transfers); the memory goes when its last tensor does."""

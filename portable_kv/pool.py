@@ -174,10 +174,10 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
             elif _same_tensors(k, bk) and _same_tensors(v, bv):
                 return bound
         geometry = self._check_device_pool(device_pool)
-        tokens = self._memory.registration_tokens
+        k_tokens, v_tokens = self._memory.registration_tokens
         pairs = (
-            tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size, tokens),
-            tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size, tokens),
+            tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size, k_tokens),
+            tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size, v_tokens),
         )
         self._binding = Binding(device_pool, geometry, pairs)
         return self._binding

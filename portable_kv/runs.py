@@ -124,16 +124,17 @@ def chunk_tokens(tokens: int, token_bytes: int, page_size: int, slot_bytes: int)
     return min(fits, -(-wanted // page_size) * page_size, -(-tokens // page_size) * page_size)
 
 
-def host_runs(host_idx: np.ndarray, chunk: int, registration_tokens: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def host_runs(host_idx: np.ndarray, chunk: int, registration_tokens: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Starts (positions) and lengths of runs of consecutive host tokens, cut at chunk
-    boundaries and, for registered host memory, where a registration ends."""
+    boundaries and, for registered host memory, where a registration of K or of V ends."""
     n = host_idx.size
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     follows = np.diff(host_idx) == 1
     follows &= np.arange(1, n) % chunk != 0
-    if registration_tokens:
-        follows &= host_idx[1:] % registration_tokens != 0
+    for tokens in registration_tokens:
+        if tokens:
+            follows &= host_idx[1:] % tokens != 0
     starts = np.flatnonzero(np.concatenate(([True], ~follows)))
     return starts, np.diff(np.append(starts, n))
 
@@ -199,10 +200,11 @@ def copies(host: HostStrides, staging: HostStrides, page_size: int, page_major: 
 
 
 def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers: range, layer_count: int,
-         slot_bytes: int, registration_tokens: int = 0) -> StagedPlan | None:
+         slot_bytes: int) -> StagedPlan | None:
     """The staged plan of a transfer, or None where staging cannot carry it (a page layout's
     indices that are not whole pages, layers that are neither one nor all from 0, or not one
-    page fitting a slot).  `pairs` are plan.TensorPair (K, V): their host buffers and strides."""
+    page fitting a slot).  `pairs` are plan.TensorPair (K, V): their host buffers, strides
+    and registration pieces (runs are cut where either's piece ends)."""
     staged_layers = len(layers)
     if staged_layers != 1 and (layers.start != 0 or staged_layers != layer_count):
         return None
@@ -214,7 +216,7 @@ def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers
     chunk = chunk_tokens(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN)
     if chunk == 0:
         return None
-    starts, lengths = host_runs(host_idx, chunk, registration_tokens)
+    starts, lengths = host_runs(host_idx, chunk, tuple(p.registration_tokens for p in pairs))
     if any(page_major) and not whole_pages(host_idx, starts, lengths, page_size):
         return None
     chunks = tuple(range(b, min(b + chunk, host_idx.size)) for b in range(0, host_idx.size, chunk))

@@ -298,7 +298,7 @@ class StagedMover(Mover):
             k = transfer.pairs[0]
             host_np, _, skipped = transfer.indices.inside(k.strides.tokens, k.device[0].shape[0])
             staged = None if skipped else plan(host_np, transfer.pairs, k.layout, transfer.page_size, transfer.layers, len(k.device),
-                                               self.staging_bytes // 2, k.registration_tokens)
+                                               self.staging_bytes // 2)
             prepared = self._plans.store(key, _NO_PLAN if staged is None else Prepared(staged, transfer), stamp)
         return None if prepared is _NO_PLAN else prepared
 

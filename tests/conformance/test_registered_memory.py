@@ -67,6 +67,54 @@ def test_registered_pool_roundtrip_and_pieces(backend, recorded, layout, io, gen
     assert sorted(recorded["unregister"]) == sorted(a for a, _ in recorded["register"])
 
 
+@pytest.mark.parametrize("io", ["direct", "staged"])
+def test_no_copy_spans_two_pieces_of_k_or_of_v(backend, recorded, io, gen):
+    """K's and V's pages differ in size, so their pieces hold different page counts: runs
+    consecutive on both sides are cut where either tensor's piece ends, never only V's."""
+    if io not in backend.io_backends:
+        pytest.skip(f"{backend.name} has no {io} path")
+    dev = pk.DeviceKVPool(2, 64, 4, 2, 24, 16, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io, host_memory="registered")
+    k_tokens, v_tokens = host._memory.registration_tokens
+    assert k_tokens != v_tokens, "the geometry must give K and V pieces of different page counts"
+    copies = []
+    if io == "staged":
+        mover = host._mover("staged")
+        memcpy_2d = mover.memcpy_2d
+
+        def recording(dst, dst_pitch, src, src_pitch, width, height, stream):
+            address, pitch = (dst, dst_pitch) if _inside(dst, (host.k_buffer, host.v_buffer)) else (src, src_pitch)
+            copies.append((address, width + (height - 1) * pitch))
+            memcpy_2d(dst, dst_pitch, src, src_pitch, width, height, stream)
+
+        mover.memcpy_2d = recording
+    for t in dev.k_buffer + dev.v_buffer:
+        randomize(t, gen)
+    idx = torch.arange(0, 64)  # consecutive on both sides: every run may merge across pages
+    host.backup_from_device_all_layer(dev, idx, idx.to(dev.device))
+    if io == "direct":
+        pairs = host._bind(dev, range(host.layer_num)).pairs
+        batch = copy_batch(Transfer(False, pairs, host._validator(idx.clone(), idx.to(dev.device), dev.size, False), range(2), 4))
+        copies = list(zip(batch.dst.tolist(), batch.sizes.tolist()))
+    assert copies, "the transfer made no host copy to check"
+    ranges = sorted(recorded["register"])
+    for address, size in copies:
+        assert any(a <= address and address + size <= a + n for a, n in ranges), "a copy spans two registrations"
+    for t in dev.k_buffer + dev.v_buffer:
+        t.zero_()
+    host.load_to_device_all_layer(dev, idx, idx.to(dev.device))
+    backend.synchronize()
+    want = [bits(t) for t in (host.k_buffer, host.v_buffer)]
+    host.backup_from_device_all_layer(dev, idx, idx.to(dev.device))
+    backend.synchronize()
+    assert all(torch.equal(bits(t), w) for t, w in zip((host.k_buffer, host.v_buffer), want))
+    host.close()
+
+
+def _inside(address: int, tensors) -> bool:
+    return any(t.data_ptr() <= address < t.data_ptr() + t.numel() * t.element_size() for t in tensors)
+
+
 def test_registered_needs_a_page_major_layout(backend):
     dev = pk.DeviceKVPool(1, 32, 4, 1, 8, 8, dtype=torch.float16)
     with pytest.raises(ValueError, match="host_memory='registered'.*page-major"):

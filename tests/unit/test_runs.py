@@ -50,7 +50,7 @@ def test_runs_break_where_tokens_jump_at_chunks_and_registrations():
     assert starts.tolist() == [0, 5, 7] and lengths.tolist() == [5, 2, 1]
     starts, lengths = runs.host_runs(idx, chunk=4)
     assert starts.tolist() == [0, 4, 5, 7] and lengths.tolist() == [4, 1, 2, 1]
-    starts, lengths = runs.host_runs(idx, chunk=100, registration_tokens=6)
+    starts, lengths = runs.host_runs(idx, chunk=100, registration_tokens=(6,))
     assert starts.tolist() == [0, 2, 5, 7]
 
 

@@ -72,18 +72,20 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self.page_num = max(1, -(-tokens // self.page_size))
         self.size = self.page_num * self.page_size
         self.pin_memory = bool(pin_memory) and self.backend.pins_memory
-        if self.io_backend in SM_READS_HOST and self.backend.device.type != "cpu" and not self.pin_memory:
-            raise ValueError(f"io_backend={self.io_backend!r}: GPU threads read host memory directly (staged and auto fall back to that), which needs pin_memory=True")
         self.host_memory = self._check_host_memory_kind(host_memory)
+        self._memory: HostMemory | None = None
+        self._check_reads(self.io_backend)
         check_available(self.size * token_bytes)
         self.placement: Placement = placement(self.backend.device, numa_node)
         shapes = tuple(host_shape(layout, self.layer_num, self.page_num, self.page_size, heads, dim)
                        for heads, dim in ((geometry.k_heads, geometry.k_dim), (geometry.v_heads, geometry.v_dim)))
         self._memory = HostMemory(self.backend, self.host_memory, shapes, self.dtype, self.page_num, self.page_size,
                                   self.pin_memory, self.placement.node)
-        if self._memory.device_addresses_differ and self.io_backend in SM_READS_HOST:
+        try:
+            self._check_reads(self.io_backend)
+        except ValueError:
             self._memory.release()
-            raise ValueError("host_memory='registered': this GPU maps registered memory at another address; use io_backend='direct'")
+            raise
         self.k_buffer, self.v_buffer = self._memory.k, self._memory.v
         self.closed = False
         self._validator = IndexValidator(self.size, self.page_size, self.layout, self.validate)
@@ -102,12 +104,21 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
     def _check_host_memory_kind(self, host_memory: str) -> str:
         if host_memory not in HOST_MEMORY:
             raise ValueError(f"host_memory: expected one of {', '.join(HOST_MEMORY)}, got {host_memory!r}")
-        if host_memory == "registered":
-            if self.layout not in REGISTERED_LAYOUTS:
-                raise ValueError(f"host_memory='registered': expected a page-major layout ({', '.join(REGISTERED_LAYOUTS)}), got {self.layout!r}")
-            if self.io_backend in SM_READS_HOST and not self.backend.kernel_reads_registered_memory:
-                raise ValueError(f"host_memory='registered' with backend {self.backend.name!r}: use io_backend='direct' (its kernels need page-locked allocations)")
+        if host_memory == "registered" and self.layout not in REGISTERED_LAYOUTS:
+            raise ValueError(f"host_memory='registered': expected a page-major layout ({', '.join(REGISTERED_LAYOUTS)}), got {self.layout!r}")
         return host_memory
+
+    def _check_reads(self, io: str) -> None:
+        """Refuse an io path whose GPU threads would read host memory they cannot: at
+        construction, and for a per-call `io_backend=` the first time it is used."""
+        if io not in SM_READS_HOST:
+            return
+        if self.backend.device.type != "cpu" and not self.pin_memory:
+            raise ValueError(f"io_backend={io!r}: GPU threads read host memory directly (staged and auto fall back to that), which needs pin_memory=True")
+        if self.host_memory == "registered" and not self.backend.kernel_reads_registered_memory:
+            raise ValueError(f"io_backend={io!r} with host_memory='registered' on backend {self.backend.name!r}: use io_backend='direct' (its kernels need page-locked allocations)")
+        if self._memory is not None and self._memory.device_addresses_differ:
+            raise ValueError(f"io_backend={io!r} with host_memory='registered': this GPU maps registered memory at another address; use io_backend='direct'")
 
     def _mover(self, io: str) -> Mover:
         """This pool's mover for an io path: made once, owning the pool's launch caches."""
@@ -146,7 +157,8 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
             raise ValueError("host pool: the pool is closed")
         mover = self._movers.get(self.io_backend if io_backend is None else io_backend)
         if mover is None:
-            mover = self._mover(self._check_io(io_backend))
+            self._check_reads(self._check_io(io_backend))
+            mover = self._mover(io_backend)
         binding = self._bind(device_pool, layers)
         indices = self._validator(host_indices, device_indices, binding.geometry.tokens, to_device)
         if indices.tokens:

@@ -71,8 +71,8 @@ def test_registered_pool_roundtrip_and_pieces(backend, recorded, layout, io, gen
 def test_no_copy_spans_two_pieces_of_k_or_of_v(backend, recorded, io, gen):
     """K's and V's pages differ in size, so their pieces hold different page counts: runs
     consecutive on both sides are cut where either tensor's piece ends, never only V's."""
-    if io not in backend.io_backends:
-        pytest.skip(f"{backend.name} has no {io} path")
+    if io not in backend.io_backends or (io == "staged" and not backend.kernel_reads_registered_memory):
+        pytest.skip(f"{backend.name} has no {io} path over registered memory (staged falls back to the kernel)")
     dev = pk.DeviceKVPool(2, 64, 4, 2, 24, 16, dtype=torch.bfloat16)
     host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io, host_memory="registered")
     k_tokens, v_tokens = host._memory.registration_tokens
@@ -122,8 +122,35 @@ def test_registered_needs_a_page_major_layout(backend):
     with pytest.raises(ValueError, match="host_memory.*pinned, registered"):
         pk.AsymmetricHostPool(dev, host_memory="hugepages")
     if not backend.kernel_reads_registered_memory and "kernel" in backend.io_backends:
-        with pytest.raises(ValueError, match="host_memory='registered' with backend.*use io_backend='direct'"):
+        with pytest.raises(ValueError, match="host_memory='registered' on backend.*use io_backend='direct'"):
             pk.AsymmetricHostPool(dev, layout="page_first", io_backend="kernel", host_memory="registered")
+
+
+def test_a_per_call_io_backend_gets_the_constructors_checks(backend, monkeypatch):
+    """An engine names the io path on every call (SGLang does): a path whose GPU threads
+    cannot read this pool's memory is refused per call as at construction, before a byte moves."""
+    if "direct" not in backend.io_backends:
+        pytest.skip(f"{backend.name} has no direct path")
+    dev = pk.DeviceKVPool(2, 32, 4, 2, 8, 8, dtype=torch.float16)
+    idx = torch.arange(0, 8)
+    if not backend.kernel_reads_registered_memory:
+        host = pk.AsymmetricHostPool(dev, layout="page_first", io_backend="direct", host_memory="registered")
+        with pytest.raises(ValueError, match="io_backend='kernel' with host_memory='registered' on backend"):
+            host.load_to_device_all_layer(dev, idx, idx.to(dev.device), io_backend="kernel")
+        host.close()
+    # A GPU that maps registered memory at another address (the kernels would read the host address).
+    register = backend.register_host
+    monkeypatch.setattr(backend, "register_host", lambda address, nbytes: register(address, nbytes) + 4096)
+    with pytest.raises(ValueError, match="maps registered memory at another address|with host_memory='registered' on backend"):
+        pk.AsymmetricHostPool(dev, layout="page_first", io_backend="kernel", host_memory="registered")
+    host = pk.AsymmetricHostPool(dev, layout="page_first", io_backend="direct", host_memory="registered")
+    before = [bits(t).clone() for t in dev.k_buffer + dev.v_buffer]
+    for io in ("kernel", "staged", "auto"):
+        if io in backend.io_backends:
+            with pytest.raises(ValueError, match=f"io_backend='{io}'.*another address|io_backend='{io}' with host_memory='registered' on backend"):
+                host.load_to_device_all_layer(dev, idx, idx.to(dev.device), io_backend=io)
+    assert all(torch.equal(bits(t), b) for t, b in zip(dev.k_buffer + dev.v_buffer, before))
+    host.close()
 
 
 @pytest.mark.parametrize("io", ["direct", "kernel"])

@@ -217,8 +217,10 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
             )
         if g.dtype != self.dtype:
             raise TypeError(f"device_pool: expected dtype {self.dtype} (this host pool's), got {g.dtype}")
-        if g.device.type != self.backend.device.type:
-            raise ValueError(f"device_pool: expected buffers on {self.backend.device.type} (backend {self.backend.name!r}), got {g.device}")
+        want = self.backend.device
+        # The GPU too, not only its kind: a kernel on one GPU given another's addresses faults.
+        if g.device.type != want.type or (want.index is not None and g.device.index is not None and g.device.index != want.index):
+            raise ValueError(f"device_pool: expected buffers on {want} (backend {self.backend.name!r}), got {g.device}")
         return g
 
     # -- lifetime ----------------------------------------------------------------------------

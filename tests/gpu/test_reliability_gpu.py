@@ -140,3 +140,18 @@ def test_unchecked_indices_outside_the_pools_on_the_gpu(gpu, io):
     assert torch.equal(after[3 * P:4 * P], bits(host.k_buffer[1, 0]))
     assert torch.equal(after[4 * P:5 * P], before[0][4 * P:5 * P]), "the skipped page was written"
     host.close()
+
+
+def test_a_device_pool_on_another_gpu_is_refused(gpu):
+    """The backend launches on its own GPU: a device pool on another one is refused, not faulted on."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 visible GPUs, {torch.cuda.device_count()} visible")
+    other = (gpu.device.index + 1) % torch.cuda.device_count()
+    here = pk.DeviceKVPool(2, 256, P, 4, 192, 128, dtype=torch.bfloat16)
+    there = pk.DeviceKVPool(2, 256, P, 4, 192, 128, dtype=torch.bfloat16, device=torch.device("cuda", other))
+    host = pk.AsymmetricHostPool(here, layout="page_first_direct", io_backend="kernel")
+    idx = page_tokens(torch.arange(2), P)
+    with pytest.raises(ValueError, match="device_pool: expected buffers on cuda"):
+        host.load_to_device_per_layer(there, idx, idx, 0)
+    host.close()
+

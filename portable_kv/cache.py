@@ -19,21 +19,35 @@ Value = TypeVar("Value")
 
 
 class _Identity:
-    """Which objects an entry was computed for, without keeping them alive where possible."""
+    """Which objects an entry was computed for, without keeping them alive where possible.
+
+    A tuple among the objects stands for its elements (an engine's K/V pair of tensor
+    pairs is a tuple, which cannot be weakly referenced): they are referred to one by one.
+    When one of them dies, `on_death` drops the entry, so that the cached value, which may
+    hold tensors of its own, goes with it and not at some later eviction."""
 
     __slots__ = ("_refs",)
 
-    def __init__(self, objects: Sequence[object]) -> None:
-        self._refs = [_ref(o) for o in objects]
+    def __init__(self, objects: Sequence[object], on_death: Callable[[object], None] | None = None) -> None:
+        self._refs = [_ref(o, on_death) for o in _flat(objects)]
 
     def matches(self, objects: Sequence[object]) -> bool:
-        return len(objects) == len(self._refs) and all(ref() is o for ref, o in zip(self._refs, objects))
+        flat = _flat(objects)
+        return len(flat) == len(self._refs) and all(ref() is o for ref, o in zip(self._refs, flat))
 
 
-def _ref(obj: object) -> Callable[[], object]:
+def _flat(objects: Sequence[object]) -> list[object]:
+    return [leaf for o in objects for leaf in (o if type(o) is tuple else (o,))]
+
+
+def _key(objects: Sequence[object]) -> tuple[int, ...]:
+    return tuple(map(id, _flat(objects)))
+
+
+def _ref(obj: object, on_death: Callable[[object], None] | None) -> Callable[[], object]:
     try:
-        return weakref.ref(obj)
-    except TypeError:  # ints, tuples: compared by identity while the entry lives
+        return weakref.ref(obj, on_death)
+    except TypeError:  # ints, strings: compared by identity while the entry lives
         return lambda: obj
 
 
@@ -47,7 +61,7 @@ class IdentityCache(Generic[Value]):
         self._entries: OrderedDict[tuple, tuple[_Identity, Hashable, Value]] = OrderedDict()
 
     def lookup(self, objects: Sequence[object], stamp: Hashable = None) -> Value | None:
-        key = tuple(map(id, objects))
+        key = _key(objects)
         entry = self._entries.get(key)
         if entry is None or entry[1] != stamp or not entry[0].matches(objects):
             return None
@@ -55,8 +69,18 @@ class IdentityCache(Generic[Value]):
         return entry[2]
 
     def store(self, objects: Sequence[object], value: Value, stamp: Hashable = None) -> Value:
-        key = tuple(map(id, objects))
-        self._entries[key] = (_Identity(objects), stamp, value)
+        key = _key(objects)
+        cache = weakref.ref(self)  # the callback must not keep the cache alive
+
+        def on_death(_: object) -> None:
+            alive = cache()
+            if alive is not None:
+                entry = alive._entries.get(key)
+                if entry is not None and entry[0] is identity:  # not a newer entry that reuses the ids
+                    del alive._entries[key]
+
+        identity = _Identity(objects, on_death)
+        self._entries[key] = (identity, stamp, value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.limit:
             self._entries.popitem(last=False)

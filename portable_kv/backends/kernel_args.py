@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
 
-from ..plan import IndexPair, TensorPair, Transfer
+from ..plan import TensorPair, Transfer
 
 KERNEL_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; one entry point each (kv_copy.h)
 BLOCK = 512  # threads per block: PKV_BLOCK in kv_copy.h
@@ -118,10 +119,13 @@ class PreparedLaunch:
     by value (the launch copies it at the call, so it may change after)."""
 
     def __init__(self, transfer: Transfer, template: JobTemplate, error_flag: int, block_quota: int) -> None:
-        # The pairs and indices are held, not only compared: the struct points at the
-        # host buffers and at the index copies on the device.
-        self.pairs: tuple[TensorPair, TensorPair] = transfer.pairs
-        self.indices: IndexPair = transfer.indices
+        # The pairs and indices are referred to weakly: a launch is reused only while they
+        # live (so the struct's addresses are theirs), and a kept launch never keeps an
+        # engine's dropped device pool alive.  Work already enqueued needs no reference:
+        # the index copies were made on the stream the kernel runs on, and torch's
+        # allocator reuses their memory in that stream's order.
+        self._pairs = tuple(weakref.ref(p) for p in transfer.pairs)
+        self._indices = weakref.ref(transfer.indices)
         self.to_device, self.layers, self.quota = transfer.to_device, len(transfer.layers), block_quota
         self.template = template  # keeps the layer tables alive
         self.width = template.width
@@ -143,5 +147,6 @@ class PreparedLaunch:
         self.kernel = 0  # the entry point of self.width, set by the mover
 
     def matches(self, transfer: Transfer, block_quota: int) -> bool:
-        return (self.pairs is transfer.pairs and self.indices is transfer.indices and self.to_device == transfer.to_device
-                and self.layers == len(transfer.layers) and self.quota == block_quota)
+        k, v = self._pairs
+        return (self._indices() is transfer.indices and k() is transfer.pairs[0] and v() is transfer.pairs[1]
+                and self.to_device == transfer.to_device and self.layers == len(transfer.layers) and self.quota == block_quota)

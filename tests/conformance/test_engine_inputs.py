@@ -170,6 +170,26 @@ def test_closed_and_dropped_pools_release_their_host_memory(backend, io):
     assert sum(ref() is not None for ref in alive) == 0, "host buffers outlived their pools"
 
 
+@pytest.mark.parametrize("io", ["kernel", "direct", "staged", "auto"])
+def test_a_device_pool_the_engine_dropped_is_not_kept(backend, io):
+    """An engine that moves on to a new device pool (a resize, a restart of its model
+    runner) gets the old one's memory back: nothing a host pool caches holds it."""
+    if io not in backend.io_backends:
+        pytest.skip(f"{backend.name} has no {io} path")
+    old, new = (pk.DeviceKVPool(2, 64, 4, 2, 8, 8, dtype=torch.float16, device=backend.device) for _ in range(2))
+    host = pk.AsymmetricHostPool(old, host_to_device_ratio=1, layout="page_first_direct", io_backend=io)
+    idx = torch.arange(0, 8)
+    host.load_to_device_all_layer(old, idx, idx.to(backend.device))
+    host.backup_from_device_per_layer(old, idx, idx.to(backend.device), 1)
+    host.load_to_device_all_layer(new, idx, idx.to(backend.device))
+    backend.synchronize()
+    dropped = [weakref.ref(t) for t in old.k_buffer + old.v_buffer]
+    del old
+    gc.collect()
+    assert all(ref() is None for ref in dropped), "the host pool keeps a dropped device pool's buffers alive"
+    host.close()
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [

@@ -243,3 +243,20 @@ def test_no_backend_imports_the_registry():
                 imported = (node.module or "") if node.level else node.module
                 assert not (node.level == 1 and not node.module), f"{path.name} imports the registry (from . import ...)"
                 assert imported != "portable_kv.backends", f"{path.name} imports the registry"
+
+
+@pytest.mark.parametrize("io", ["kernel", "staged"])
+def test_a_dropped_device_pool_is_not_kept_by_the_kernel_movers(simulated, io):
+    """The simulated GPU runs the C kernel's launch path: its prepared launches, job
+    templates and staged plans refer to an engine's device pool weakly."""
+    old, new = (pk.DeviceKVPool(2, 64, 4, 2, 8, 8, dtype=torch.float16) for _ in range(2))
+    host = pk.AsymmetricHostPool(old, host_to_device_ratio=1, layout="page_first_direct", io_backend=io)
+    idx = torch.arange(0, 8)
+    host.load_to_device_all_layer(old, idx, idx)
+    host.load_to_device_all_layer(new, idx, idx)
+    dropped = [weakref.ref(t) for t in old.k_buffer + old.v_buffer]
+    del old
+    gc.collect()
+    assert all(ref() is None for ref in dropped), "a mover keeps a dropped device pool's buffers alive"
+    host.close()
+

@@ -198,8 +198,10 @@ def test_rocm_staged_issues_2d_copies_then_the_kernel_and_mirrored(fake_rocm, mo
     monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(2 * slot))
     dev = pk.DeviceKVPool(4, 256, P, 4, 192, 128, dtype=torch.bfloat16)
     host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="staged")
-    host_idx = page_tokens(torch.tensor([2, 3, 4, 8]), P)
-    host.load_to_device_per_layer(dev, host_idx, page_tokens(torch.tensor([9, 1, 5, 6]), P), 2)
+    # Both index tensors kept: a launch (and the plan) lives while its indices do; its
+    # arguments are read back below.
+    host_idx, dev_idx = page_tokens(torch.tensor([2, 3, 4, 8]), P), page_tokens(torch.tensor([9, 1, 5, 6]), P)
+    host.load_to_device_per_layer(dev, host_idx, dev_idx, 2)
     calls = [name for name, _ in lib.calls if name != "hipSetDevice"]  # the thread's device, bound once
     # Chunk 0: pages 2-3, one copy each of K and V; chunk 1: pages 4 and 8, two each.
     assert calls == ["hipMemcpy2DAsync"] * 2 + ["hipModuleLaunchKernel"] + ["hipMemcpy2DAsync"] * 4 + ["hipModuleLaunchKernel"]
@@ -214,7 +216,7 @@ def test_rocm_staged_issues_2d_copies_then_the_kernel_and_mirrored(fake_rocm, mo
     assert launch[1] <= staged.STAGING_BLOCKS and launch[8] == STREAM
     assert (args.tokens, args.layer_begin, args.to_device, args.job[0].host_layer, args.job[0].host_base) == (2 * P, 2, 1, 0, dst)
     lib.calls.clear()
-    host.backup_from_device_per_layer(dev, host_idx, page_tokens(torch.tensor([9, 1, 5, 6]), P), 1)
+    host.backup_from_device_per_layer(dev, host_idx, dev_idx, 1)
     assert [name for name, _ in lib.calls] == ["hipModuleLaunchKernel"] + ["hipMemcpy2DAsync"] * 2 + ["hipModuleLaunchKernel"] + ["hipMemcpy2DAsync"] * 4
     host.close()
 

@@ -56,8 +56,8 @@ def test_rocm_kernel_transfer_dispatch(fake_rocm, monkeypatch):
     try:
         dev = pk.DeviceKVPool(4, 256, 16, 4, 192, 128, dtype=torch.bfloat16)
         host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="kernel")
-        idx = torch.arange(64)
-        host.load_to_device_per_layer(dev, idx, idx + 128, 2)
+        idx, slots = torch.arange(64), torch.arange(64) + 128  # kept: the launch's index copies live while they do
+        host.load_to_device_per_layer(dev, idx, slots, 2)
     finally:
         backends.use(before)
     (name, args), = [c for c in lib.calls if c[0] == "hipModuleLaunchKernel"]

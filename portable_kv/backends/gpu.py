@@ -44,16 +44,17 @@ class KernelMover(Mover):
         if prepared is None:
             backend.runtime.bind_thread()
             prepared = self._local.prepared = []
+        stream = backend.runtime.current_stream()
         for launch in prepared:
-            if launch.matches(transfer, backend.block_quota):
+            if launch.matches(transfer, backend.block_quota, stream):
                 break
         else:
-            launch = PreparedLaunch(transfer, self._template(transfer.pairs), self.bad_index.address, backend.block_quota)
+            launch = PreparedLaunch(transfer, self._template(transfer.pairs), self.bad_index.address, backend.block_quota, stream)
             launch.kernel = backend.kernels()[launch.width]
             prepared.insert(0, launch)
             del prepared[PREPARED_KEPT:]
         launch.args.layer_begin = transfer.layers.start
-        backend.runtime.launch(launch.kernel, launch.grid, BLOCK, launch.params, backend.runtime.current_stream())
+        backend.runtime.launch(launch.kernel, launch.grid, BLOCK, launch.params, stream)
 
     def _template(self, pairs: tuple[TensorPair, TensorPair]) -> JobTemplate:
         return self._templates.get(pairs, lambda: JobTemplate(pairs, [self.backend.layer_table(p.device) for p in pairs]))

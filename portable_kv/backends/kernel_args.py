@@ -118,7 +118,7 @@ class PreparedLaunch:
     """A kernel launch ready to go but for its layer: the struct the kernel takes
     by value (the launch copies it at the call, so it may change after)."""
 
-    def __init__(self, transfer: Transfer, template: JobTemplate, error_flag: int, block_quota: int) -> None:
+    def __init__(self, transfer: Transfer, template: JobTemplate, error_flag: int, block_quota: int, stream: int = 0) -> None:
         # The pairs and indices are referred to weakly: a launch is reused only while they
         # live (so the struct's addresses are theirs), and a kept launch never keeps an
         # engine's dropped device pool alive.  Work already enqueued needs no reference:
@@ -127,6 +127,7 @@ class PreparedLaunch:
         self._pairs = tuple(weakref.ref(p) for p in transfer.pairs)
         self._indices = weakref.ref(transfer.indices)
         self.to_device, self.layers, self.quota = transfer.to_device, len(transfer.layers), block_quota
+        self.stream = stream  # the index copies it points at were made on this stream, for it
         self.template = template  # keeps the layer tables alive
         self.width = template.width
         self.args = CopyArgs()
@@ -146,7 +147,8 @@ class PreparedLaunch:
         self.params = ctypes.addressof(self._param_array)
         self.kernel = 0  # the entry point of self.width, set by the mover
 
-    def matches(self, transfer: Transfer, block_quota: int) -> bool:
+    def matches(self, transfer: Transfer, block_quota: int, stream: int = 0) -> bool:
         k, v = self._pairs
         return (self._indices() is transfer.indices and k() is transfer.pairs[0] and v() is transfer.pairs[1]
-                and self.to_device == transfer.to_device and self.layers == len(transfer.layers) and self.quota == block_quota)
+                and self.to_device == transfer.to_device and self.layers == len(transfer.layers) and self.quota == block_quota
+                and self.stream == stream)

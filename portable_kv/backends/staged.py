@@ -235,15 +235,16 @@ class KernelGather(Mover):
         backend = self.backend
         runtime = backend.runtime
         runtime.bind_thread()
-        key, stamp = (transfer.pairs, transfer.indices), (transfer.to_device, len(transfer.layers), self.block_quota)
+        stream = runtime.current_stream()
+        key, stamp = (transfer.pairs, transfer.indices), (transfer.to_device, len(transfer.layers), self.block_quota, stream)
         launch = self._launches.lookup(key, stamp)
         if launch is None:
             template = self._templates.get(transfer.pairs, lambda: JobTemplate(transfer.pairs, [backend.layer_table(p.device) for p in transfer.pairs]))
-            launch = PreparedLaunch(transfer, template, self.bad_index.address, self.block_quota)
+            launch = PreparedLaunch(transfer, template, self.bad_index.address, self.block_quota, stream)
             launch.kernel = backend.kernels()[launch.width]
             self._launches.store(key, launch, stamp)
         launch.args.layer_begin = transfer.layers.start
-        runtime.launch(launch.kernel, launch.grid, BLOCK, launch.params, runtime.current_stream())
+        runtime.launch(launch.kernel, launch.grid, BLOCK, launch.params, stream)
 
     def close(self) -> None:
         self._templates.clear()

@@ -55,6 +55,26 @@ def test_indices_produced_after_a_long_kernel_are_read_when_they_exist(gpu, io):
     host.close()
 
 
+def test_one_index_tensor_moved_on_two_streams(gpu):
+    """The device copies of an engine's indices are made on the stream that asked for them:
+    the same index tensors on a second stream get copies ordered on that stream, never the
+    first stream's, which may not exist yet."""
+    dev, host = pools("kernel")
+    pages = 16
+    host_idx = page_tokens(torch.arange(pages), P)
+    dev_idx = page_tokens(torch.randperm(pages, generator=torch.Generator().manual_seed(3)) + 8, P)
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(first):
+        torch.cuda._sleep(LONG_KERNEL_CYCLES)
+        host.load_to_device_per_layer(dev, host_idx, dev_idx, 0)  # its index copies wait behind the sleep
+    with torch.cuda.stream(second):
+        host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)
+    torch.cuda.synchronize()
+    for layer in (0, 1):
+        assert torch.equal(bits(dev.k_buffer[layer][dev_idx]), bits(host.k_buffer[:pages, layer].reshape(-1, 4, 192))), f"layer {layer}"
+    host.close()
+
+
 @pytest.mark.parametrize("io", ["kernel", "direct"])
 def test_closed_and_dropped_pools_free_their_host_memory(gpu, io):
     if io not in gpu.io_backends:

@@ -50,9 +50,9 @@ class PageRunAllocator:
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """``need_size`` CPU int64 token slots, whole pages, or None if they are not free."""
-        if isinstance(need_size, bool) or not isinstance(need_size, int) or need_size < 0 or need_size % self.page_size:
+        if isinstance(need_size, (bool, np.bool_)) or not isinstance(need_size, (int, np.integer)) or need_size < 0 or need_size % self.page_size:
             raise ValueError(f"need_size: expected a non-negative multiple of page_size={self.page_size}, got {need_size!r}")
-        need = need_size // self.page_size
+        need = int(need_size) // self.page_size
         with self._lock:
             if need > self._free_pages:
                 return None
@@ -65,7 +65,13 @@ class PageRunAllocator:
 
     def free(self, indices: torch.Tensor) -> int:
         """Release token slots; returns how many.  A slot not allocated (or given twice) raises ValueError."""
-        slots = torch.as_tensor(indices).reshape(-1).to("cpu", torch.int64).numpy()
+        if indices is None:
+            raise TypeError("indices: expected integer token slots (a tensor, array or list), got None")
+        given = torch.as_tensor(indices)
+        if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+            # A float 2.7 would free slot 2, True slot 1: slots another request still uses.
+            raise TypeError(f"indices: expected integer token slots, got dtype {given.dtype}")
+        slots = given.reshape(-1).to("cpu", torch.int64).numpy()
         if slots.size == 0:
             return 0
         with self._lock:

@@ -95,6 +95,8 @@ class PageAccess:
                 raise TypeError(f"indices: expected a 1-D integer tensor or a list of ints, got shape {tuple(indices.shape)} and dtype {indices.dtype}")
             tokens = indices.cpu().numpy().astype(np.int64)
         else:
+            if indices is None or isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
+                raise TypeError(f"indices: expected a 1-D integer tensor or a list of ints, got {type(indices).__name__}")
             values = list(indices)
             if any(isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) for i in values):
                 raise TypeError("indices: expected a 1-D integer tensor or a list of ints")
@@ -144,8 +146,10 @@ class PageAccess:
         if self.layout != "page_head":
             raise ValueError(f"get_split_heads_page_buffer_meta: needs layout 'page_head' (heads outermost in a page), this pool is {self.layout!r}")
         g = self._geometry
-        if isinstance(split_factor, bool) or not isinstance(split_factor, int) or split_factor <= 0 or g.k_heads % split_factor or g.v_heads % split_factor:
+        if isinstance(split_factor, (bool, np.bool_)) or not isinstance(split_factor, (int, np.integer)) or split_factor <= 0 \
+                or g.k_heads % split_factor or g.v_heads % split_factor:
             raise ValueError(f"split_factor: expected a positive divisor of the head counts (K {g.k_heads}, V {g.v_heads}), got {split_factor!r}")
+        split_factor = int(split_factor)
         pages = self._first_pages(indices)
         k, v = host_strides(self.k_buffer, self.layout, self.page_size), host_strides(self.v_buffer, self.layout, self.page_size)
         k_base, v_base = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()
@@ -169,6 +173,8 @@ class PageAccess:
         False for layer_first, whose page is not one block.
         """
         self._check_open()
+        if isinstance(page_size_bytes, (bool, np.bool_)) or not isinstance(page_size_bytes, (int, np.integer)) or page_size_bytes <= 0:
+            raise ValueError(f"page_size_bytes: expected a positive int, got {page_size_bytes!r}")
         if self.layout not in PAGE_MAJOR_LAYOUTS:
             return False
         return all(

@@ -95,7 +95,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._init_allocator()
 
     def _check_io(self, io_backend: str) -> str:
-        if io_backend not in IO_BACKENDS:
+        if not isinstance(io_backend, str) or io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: expected one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
         if io_backend not in self.backend.io_backends:
             raise ValueError(f"io_backend: backend {self.backend.name!r} offers {', '.join(self.backend.io_backends)}, got {io_backend!r}")
@@ -155,7 +155,8 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
     def _transfer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: range, to_device: bool, io_backend: str | None) -> None:
         if self.closed:
             raise ValueError("host pool: the pool is closed")
-        mover = self._movers.get(self.io_backend if io_backend is None else io_backend)
+        io = self.io_backend if io_backend is None else io_backend
+        mover = self._movers.get(io) if type(io) is str else None
         if mover is None:
             self._check_reads(self._check_io(io_backend))
             mover = self._mover(io_backend)

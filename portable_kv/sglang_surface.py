@@ -43,18 +43,22 @@ class SGLangSurface:
 
         Whole pages, in runs of consecutive pages where the free space allows.
         """
+        self._check_open()
         return self._slots.alloc(need_size)
 
     def free(self, indices: torch.Tensor) -> int:
         """Release token slots; returns how many.  A slot that is not allocated raises ValueError."""
+        self._check_open()
         return self._slots.free(indices)
 
     def available_size(self) -> int:
         """Token slots `alloc` can hand out now."""
+        self._check_open()
         return self._slots.available_size()
 
     def clear(self) -> None:
         """Every slot free again (the data stays; slots are bookkeeping)."""
+        self._check_open()
         self._slots.clear()
 
     # -- sizes --------------------------------------------------------------------------

@@ -33,6 +33,8 @@ def index_tensor(name: str, value: Any) -> torch.Tensor:
         raise TypeError(f"{name}: expected dtype int64 or int32, got {value.dtype}")
     if value.dim() != 1:
         raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(value.shape)}")
+    if value.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a tensor on the CPU or the GPU, got one on {value.device}")
     return value
 
 

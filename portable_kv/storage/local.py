@@ -12,6 +12,7 @@ import os
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from .base import PageStore
 
@@ -33,7 +34,10 @@ class LocalStore(PageStore):
         self.path.mkdir(parents=True, exist_ok=True)
 
     def _file(self, name: str) -> Path:
-        return self.path / f"{name}.bin"
+        # Percent-encoded: a key is any string (a '/', a '..', a NUL byte), a file name is
+        # one path component inside the directory.  Keys of letters, digits and _-.~ (SGLang's
+        # hashes) are their own file names.
+        return self.path / f"{quote(name, safe='')}.bin"
 
     def _exist(self, names: list[str]) -> list[bool]:
         return [self._file(name).is_file() for name in names]
@@ -59,6 +63,9 @@ class LocalStore(PageStore):
             # A full or read-only disk refuses this page; the caller sees False and may retry later.
             partial.unlink(missing_ok=True)
             return False
+        except BaseException:  # an interrupt: no partial file is left behind
+            partial.unlink(missing_ok=True)
+            raise
 
     def _read(self, name: str, k_ptr: int, v_ptr: int) -> bool:
         try:

@@ -17,7 +17,9 @@ import socket
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -73,6 +75,7 @@ class MooncakeMaster:
         self.extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
         self._log = None
+        self._finalizer: weakref.finalize | None = None  # stops the process if the object is dropped or at exit
 
     @property
     def address(self) -> str:
@@ -89,7 +92,9 @@ class MooncakeMaster:
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> MooncakeMaster:
         """Start the master and return once its RPC port answers; RuntimeError (with its log) if it exits or stays silent for `timeout_s`."""
         if self.process is not None:
-            raise RuntimeError(f"MooncakeMaster: already running as PID {self.process.pid}")
+            if self.process.poll() is None:
+                raise RuntimeError(f"MooncakeMaster: already running as PID {self.process.pid}")
+            self.stop()  # killed or exited: reaped, its log closed; start afresh
         binary = master_binary()
         if binary is None:
             raise FileNotFoundError("mooncake_master: not found; install the mooncake extra (mooncake-transfer-engine*)")
@@ -106,18 +111,26 @@ class MooncakeMaster:
         ]
         self._log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Its own session: a Ctrl-C at the terminal never reaches it, so this object stops it,
+        # also when dropped without stop() or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _terminate, self.process, self._log)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:  # an interrupt too: no master is left running behind a failed start
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                log = self.log_tail()
-                self.stop()
-                raise RuntimeError(f"mooncake_master on {self.host}:{self.port} exited at start:\n{log}")
+                raise RuntimeError(f"mooncake_master on {self.host}:{self.port} exited at start:\n{self.log_tail()}")
             if answers(self.address, timeout_s=0.5):
-                return self
+                return
             time.sleep(0.05)
-        log = self.log_tail()
-        self.stop()
-        raise RuntimeError(f"mooncake_master on {self.host}:{self.port} did not answer within {timeout_s:.0f} s:\n{log}")
+        raise RuntimeError(f"mooncake_master on {self.host}:{self.port} did not answer within {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def kill(self) -> None:
         """SIGKILL the master by PID (a crash, for fault tests) and reap it."""
@@ -127,17 +140,10 @@ class MooncakeMaster:
 
     def stop(self) -> None:
         """SIGTERM by PID, SIGKILL after STOP_TIMEOUT_S; idempotent."""
-        process, self.process = self.process, None
-        if process is not None and process.poll() is None:
-            os.kill(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait(timeout=STOP_TIMEOUT_S)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        finalizer, self._finalizer = self._finalizer, None
+        self.process, self._log = None, None
+        if finalizer is not None:
+            finalizer()
 
     def log_tail(self, limit: int = 4000) -> str:
         """The last `limit` characters of the master's output."""
@@ -152,3 +158,18 @@ class MooncakeMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _terminate(process: subprocess.Popen, log: Any) -> None:
+    """SIGTERM by PID, SIGKILL after STOP_TIMEOUT_S, then reap; the log file closed."""
+    try:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        log.close()
+

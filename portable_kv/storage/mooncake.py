@@ -16,6 +16,7 @@ retries; ~15 s seen on a loaded 2-core machine).  Failed pages are reported Fals
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from typing import Any
 
@@ -29,6 +30,8 @@ MASTER_PROBE_S = 5.0
 LOCAL_BUFFER_BYTES = 16 << 20
 # Mooncake refuses to mount a segment smaller than this (seen with 0.3.13).
 MIN_SEGMENT_BYTES = 16 << 20
+# The transports Mooncake's transfer engine names (0.3.13); tests and loopback use tcp.
+PROTOCOLS = ("tcp", "rdma", "nvlink", "nvlink_intra", "hip", "cxl", "efa", "ascend", "barex", "nvmeof", "ubshmem")
 
 # Mooncake's ErrorCode values (mooncake-store/include/types.h) that a page operation reports.
 ERRORS = {
@@ -78,9 +81,12 @@ class MooncakeStore(PageStore):
         for name, value in (("local_hostname", local_hostname), ("protocol", protocol), ("metadata_server", metadata_server), ("device_name", device_name)):
             if not isinstance(value, str):
                 raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+        if protocol not in PROTOCOLS:
+            # Mooncake's setup would retry a misspelt one for ~20 s and then say only "error -1".
+            raise ValueError(f"protocol: expected one of Mooncake's transports ({', '.join(PROTOCOLS)}), got {protocol!r}")
         split_address(master)
-        if isinstance(segment_size_gb, bool) or not isinstance(segment_size_gb, numbers.Real) or segment_size_gb < 0:
-            raise ValueError(f"segment_size_gb: expected a number >= 0, got {segment_size_gb!r}")
+        if isinstance(segment_size_gb, bool) or not isinstance(segment_size_gb, numbers.Real) or not math.isfinite(segment_size_gb) or segment_size_gb < 0:
+            raise ValueError(f"segment_size_gb: expected a finite number >= 0, got {segment_size_gb!r}")
         self.segment_bytes = int(segment_size_gb * (1 << 30))
         largest = max(self.k_page_bytes, self.v_page_bytes)
         if self.segment_bytes and self.segment_bytes < max(MIN_SEGMENT_BYTES, largest):

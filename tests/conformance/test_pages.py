@@ -178,4 +178,20 @@ def test_closed_pool(pools):
     assert host.kv_buffer is None
     with pytest.raises(ValueError, match="closed"):
         host.get_page_buffer_meta(list(range(P)))
+    for call in (lambda: host.alloc(P), lambda: host.free(torch.arange(P)), host.available_size, host.clear):
+        with pytest.raises(ValueError, match="closed"):
+            call()
     host.destroy()
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda host, dev: host.get_page_buffer_meta(None), "indices"),
+    (lambda host, dev: host.is_stride_page_aligned(0), "page_size_bytes"),
+    (lambda host, dev: host.load_to_device_all_layer(dev, torch.arange(P), torch.arange(P).to(dev.device), io_backend=["kernel"]), "io_backend"),
+    (lambda host, dev: host.load_to_device_all_layer(dev, torch.arange(P, device="meta"), torch.arange(P)), "host_indices"),
+    (lambda host, dev: host.get_split_heads_page_buffer_meta(list(range(P)), 0), "split_factor|page_head"),
+], ids=["meta-none", "alignment-0", "io-list", "meta-indices", "split-0"])
+def test_odd_arguments_are_refused_naming_them(pools, call, name):
+    dev, host = pools
+    with pytest.raises((TypeError, ValueError), match=name):
+        call(host, dev)

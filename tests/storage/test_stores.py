@@ -190,3 +190,50 @@ def test_constructor_arguments_are_checked(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="path: expected a directory"):
         storage.LocalStore(host, tmp_path / "file")
+    # Refused before any connection (Mooncake need not be installed): a misspelt transport
+    # would otherwise be retried for ~20 s and reported as "error -1".
+    with pytest.raises(ValueError, match="protocol: expected one of Mooncake's transports"):
+        storage.MooncakeStore(host, master="127.0.0.1:1", protocol="tpc")
+    for size in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="segment_size_gb: expected a finite number"):
+            storage.MooncakeStore(host, master="127.0.0.1:1", segment_size_gb=size)
+
+
+@pytest.mark.parametrize("key", ["../outside", "a/b", "..", "nul\x00byte", "sp ace%"])
+def test_any_key_is_one_file_inside_the_local_store(tmp_path, key):
+    """A key is any string: LocalStore keeps each one as a single file in its own directory
+    (a '/', '..' or NUL byte never reaches the file system as a path), and reads it back."""
+    _, host = make_host()
+    store = storage.LocalStore(host, tmp_path / "store")
+    expected = page_bytes(host, 1)
+    assert store.put([key], page_tokens(torch.tensor([1]), host.page_size)) == [True]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"], "a file was written outside the store directory"
+    assert len(list((tmp_path / "store").iterdir())) == 1
+    assert store.exists([key]) == 1
+    assert store.get([key], page_tokens(torch.tensor([4]), host.page_size)) == [True]
+    got = page_bytes(host, 4)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    store.close()
+    host.close()
+
+
+def test_an_interrupted_local_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    from portable_kv.storage import local
+
+    _, host = make_host()
+    store = storage.LocalStore(host, tmp_path)
+    real = local._memory
+    calls = []
+
+    def interrupted(ptr, nbytes):
+        calls.append(ptr)
+        if len(calls) == 2:  # K written, then Ctrl-C before V
+            raise KeyboardInterrupt
+        return real(ptr, nbytes)
+
+    monkeypatch.setattr(local, "_memory", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.put(["page"], page_tokens(torch.tensor([0]), host.page_size))
+    assert list(tmp_path.iterdir()) == [], "a partial file outlived the interrupted write"
+    store.close()
+    host.close()

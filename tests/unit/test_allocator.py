@@ -57,6 +57,24 @@ def test_a_failed_free_changes_nothing():
     assert a.free(slots) == 2 * P and a.available_size() == 8 * P
 
 
+@pytest.mark.parametrize("given", [torch.tensor([0.9, 2.7]), torch.tensor([True, False]), None], ids=["float", "bool", "none"])
+def test_free_refuses_what_is_not_integer_slots(given):
+    """A float 2.7 would free slot 2 and True slot 1: slots a request still uses."""
+    allocator = PageRunAllocator(16, 4)
+    slots = allocator.alloc(8)
+    with pytest.raises(TypeError, match="indices: expected integer token slots"):
+        allocator.free(given)
+    assert allocator.available_size() == 8
+    assert allocator.free(slots) == 8
+
+
+def test_numpy_integer_sizes_are_sizes():
+    import numpy as np
+
+    allocator = PageRunAllocator(16, 4)
+    assert allocator.alloc(np.int64(4)).tolist() == [0, 1, 2, 3]
+
+
 def test_free_merges_neighbours_into_one_run():
     a = PageRunAllocator(8 * P, P)
     parts = [a.alloc(2 * P) for _ in range(4)]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Wheels for a GPU host without network (the H200 round: tools/gpu_round.sh), into .whl/.
+# Wheels for a GPU host without network (`tox -e cuda` there, and the extras the round
+# tools/gpu_round.sh puts on the tests' path), into .whl/.
 # That host has Python 3.12 with torch, triton, cuda-bindings, pytest, hypothesis and
 # numpy but not tox; these are tox's whole dependency closure (tox runs in its own
 # folder there, so the host's older packaging or filelock do not matter), plus

@@ -1,4 +1,4 @@
-"""A loopback `mooncake_master` for tests, benchmarks and tools.
+"""A loopback `mooncake_master` for tests, benchmarks and the command line.
 
 Binds its RPC and metrics servers to one address (127.0.0.1 by default) on
 free ports, waits until the RPC port accepts a connection (bounded), and is
@@ -111,7 +111,7 @@ class MooncakeMaster:
         ]
         self._log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        # Its own session: a Ctrl-C at the terminal never reaches it, so this object stops it,
+        # Detached from the terminal's process group: a Ctrl-C never reaches it, so this object stops it,
         # also when dropped without stop() or at interpreter exit.
         self._finalizer = weakref.finalize(self, _terminate, self.process, self._log)
         try:

@@ -28,20 +28,16 @@ class _Identity:
 
     __slots__ = ("_refs",)
 
-    def __init__(self, objects: Sequence[object], on_death: Callable[[object], None] | None = None) -> None:
-        self._refs = [_ref(o, on_death) for o in _flat(objects)]
+    def __init__(self, flat: list[object], on_death: Callable[[object], None] | None = None) -> None:
+        self._refs = [_ref(o, on_death) for o in flat]
 
-    def matches(self, objects: Sequence[object]) -> bool:
-        flat = _flat(objects)
+    def matches(self, flat: list[object]) -> bool:
         return len(flat) == len(self._refs) and all(ref() is o for ref, o in zip(self._refs, flat))
 
 
 def _flat(objects: Sequence[object]) -> list[object]:
+    """The objects, with a tuple among them replaced by its elements."""
     return [leaf for o in objects for leaf in (o if type(o) is tuple else (o,))]
-
-
-def _key(objects: Sequence[object]) -> tuple[int, ...]:
-    return tuple(map(id, _flat(objects)))
 
 
 def _ref(obj: object, on_death: Callable[[object], None] | None) -> Callable[[], object]:
@@ -61,15 +57,17 @@ class IdentityCache(Generic[Value]):
         self._entries: OrderedDict[tuple, tuple[_Identity, Hashable, Value]] = OrderedDict()
 
     def lookup(self, objects: Sequence[object], stamp: Hashable = None) -> Value | None:
-        key = _key(objects)
+        flat = _flat(objects)
+        key = tuple(map(id, flat))
         entry = self._entries.get(key)
-        if entry is None or entry[1] != stamp or not entry[0].matches(objects):
+        if entry is None or entry[1] != stamp or not entry[0].matches(flat):
             return None
         self._entries.move_to_end(key)
         return entry[2]
 
     def store(self, objects: Sequence[object], value: Value, stamp: Hashable = None) -> Value:
-        key = _key(objects)
+        flat = _flat(objects)
+        key = tuple(map(id, flat))
         cache = weakref.ref(self)  # the callback must not keep the cache alive
 
         def on_death(_: object) -> None:
@@ -79,7 +77,7 @@ class IdentityCache(Generic[Value]):
                 if entry is not None and entry[0] is identity:  # not a newer entry that reuses the ids
                     del alive._entries[key]
 
-        identity = _Identity(objects, on_death)
+        identity = _Identity(flat, on_death)
         self._entries[key] = (identity, stamp, value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.limit:

@@ -61,7 +61,7 @@ class IndexPair:
         device = torch.device(device)
         if device.type != "cpu" and device.index is None:
             device = torch.device(device.type, torch.cuda.current_device())
-        key = device if device.type == "cpu" else (device, current_stream_handle(device))
+        key = device if device.type == "cpu" else (device, raw_stream(device.index))
         pair = self._by_device.get(key)
         if pair is None:
             host, dev = next(iter(self._by_device.values()))
@@ -96,16 +96,13 @@ class IndexPair:
         return cached
 
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~0.3 us where the public call takes a few
+def raw_stream(index: int) -> int:
+    """The handle of GPU `index`'s current torch stream (torch.cuda serves ROCm too)."""
+    return torch.cuda.current_stream(index).cuda_stream
 
 
-def current_stream_handle(device: torch.device) -> int:
-    """The handle of `device`'s current stream (torch.cuda serves ROCm too); 0 on the CPU."""
-    if device.type == "cpu":
-        return 0
-    if _raw_stream is not None:
-        return _raw_stream(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # ~0.3 us where the public call takes a few
+    raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
 
 
 def _dense(indices: torch.Tensor) -> torch.Tensor:

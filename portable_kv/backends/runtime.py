@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from .. import config
-from ..plan import CopyBatch
+from ..plan import CopyBatch, raw_stream
 from .base import Mover
 from .dma import DmaMover, split_batch
 from .jit import KernelSpec
@@ -134,7 +133,7 @@ class DeviceRuntime(ABC):
 
     def current_stream(self) -> int:
         """The handle of the device's current torch stream: transfers are ordered on it."""
-        return _raw_stream(self.device_index)
+        return raw_stream(self.device_index)
 
     def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
         """Enqueue every chunk of `batch` on `stream` (never the legacy default stream)."""
@@ -208,11 +207,3 @@ def as_pointer_array(values: np.ndarray) -> int:
     """The address of a contiguous uint64 array, for ctypes calls taking void** / size_t*."""
     assert values.dtype == np.uint64 and values.flags.c_contiguous
     return values.ctypes.data
-
-
-def _raw_stream(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # ~0.3 us where the public call takes a few
-    _raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811

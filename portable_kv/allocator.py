@@ -50,7 +50,7 @@ class PageRunAllocator:
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """``need_size`` CPU int64 token slots, whole pages, or None if they are not free."""
-        if isinstance(need_size, (bool, np.bool_)) or not isinstance(need_size, (int, np.integer)) or need_size < 0 or need_size % self.page_size:
+        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) or need_size < 0 or need_size % self.page_size:
             raise ValueError(f"need_size: expected a non-negative multiple of page_size={self.page_size}, got {need_size!r}")
         need = int(need_size) // self.page_size
         with self._lock:

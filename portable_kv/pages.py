@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .device_pool import positive_int
 from .layout import host_strides
 
 # Layouts whose page (all layers) is one contiguous block per K and V.
@@ -146,7 +147,7 @@ class PageAccess:
         if self.layout != "page_head":
             raise ValueError(f"get_split_heads_page_buffer_meta: needs layout 'page_head' (heads outermost in a page), this pool is {self.layout!r}")
         g = self._geometry
-        if isinstance(split_factor, (bool, np.bool_)) or not isinstance(split_factor, (int, np.integer)) or split_factor <= 0 \
+        if isinstance(split_factor, bool) or not isinstance(split_factor, (int, np.integer)) or split_factor <= 0 \
                 or g.k_heads % split_factor or g.v_heads % split_factor:
             raise ValueError(f"split_factor: expected a positive divisor of the head counts (K {g.k_heads}, V {g.v_heads}), got {split_factor!r}")
         split_factor = int(split_factor)
@@ -173,8 +174,7 @@ class PageAccess:
         False for layer_first, whose page is not one block.
         """
         self._check_open()
-        if isinstance(page_size_bytes, (bool, np.bool_)) or not isinstance(page_size_bytes, (int, np.integer)) or page_size_bytes <= 0:
-            raise ValueError(f"page_size_bytes: expected a positive int, got {page_size_bytes!r}")
+        page_size_bytes = positive_int("page_size_bytes", page_size_bytes)
         if self.layout not in PAGE_MAJOR_LAYOUTS:
             return False
         return all(

@@ -1,8 +1,9 @@
 """What the copy engines cost the staged io path, apart from the pipeline: the host-side
-copies of one per-layer load (allocator-placed pages, as the bench places them) issued
-as a loop of 2-D copies and as one 3-D batch (cudaMemcpy3DBatchAsync, CUDA >= 12.8),
-timed on the device and on the host; then per-layer loads of every io path issued one
-at a time from an idle GPU and all layers back to back, as an engine issues them.
+copies of one per-layer load (allocator-placed pages, as the bench places them) as a
+loop of 2-D copies on one stream, K and V on two streams, and round-robin over two or
+three, timed on the device and on the host; then per-layer loads of every io path
+issued one at a time from an idle GPU and all layers back to back, as an engine
+issues them.
 
 Run on an NVIDIA host: python3 tools/copy_engine_probe.py [--page-sizes 64,16] [--json out.json]
 """
@@ -10,7 +11,6 @@ Run on an NVIDIA host: python3 tools/copy_engine_probe.py [--page-sizes 64,16] [
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 
 import torch
@@ -22,23 +22,6 @@ from portable_kv.bench.staged import StagedWorkload
 from portable_kv.bench.workload import Geometry
 from portable_kv.plan import Transfer
 
-OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
-ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
-
-
-class Operand(ctypes.Structure):
-    """cudaMemcpy3DOperand with its pointer member: type, then a 32-byte union at offset 8."""
-
-    _fields_ = [("type", ctypes.c_int), ("pad", ctypes.c_int), ("ptr", ctypes.c_void_p), ("row_length", ctypes.c_size_t),
-                ("layer_height", ctypes.c_size_t), ("hint_type", ctypes.c_int), ("hint_id", ctypes.c_int)]
-
-
-class BatchOp(ctypes.Structure):
-    """cudaMemcpy3DBatchOp: source, destination, extent (width, height, depth), access order, flags."""
-
-    _fields_ = [("src", Operand), ("dst", Operand), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t),
-                ("depth", ctypes.c_size_t), ("order", ctypes.c_int), ("flags", ctypes.c_uint)]
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,7 +30,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json")
     args = parser.parse_args()
-    assert ctypes.sizeof(BatchOp) == 112, ctypes.sizeof(BatchOp)
     backend = backends.use("cuda")
     clock = Clock(backend.device)
     ceil = ceiling(clock, backend.device, int(100e6), args.reps)
@@ -71,8 +53,6 @@ def emit(rows: list[dict], ceil: dict, **row) -> None:
 def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[dict]:
     w = StagedWorkload(Geometry(4, 192, 128, "bf16", 0), page_size, 8, backend.device, "allocator")
     rows: list[dict] = []
-    lib = backend.runtime.lib
-    batch3d = getattr(lib, "cudaMemcpy3DBatchAsync", None)
     with w.host_pool("page_first_direct", "staged") as host:
         mover = host._mover("staged")  # noqa: SLF001 -- a probe takes the path apart
         binding = host._bind(w.dev, range(0, 1))  # noqa: SLF001
@@ -90,6 +70,7 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
                     base = staging.data_ptr() + c * prepared.plan.slot_bytes + offset
                     for i in range(ends[c], ends[c + 1]):
                         ops.append((base + stagings[i], sps[i], pair.host.data_ptr() + hosts[i], hps[i], widths[i], heights[i]))
+            k_copies = sum(ends[-1] for ends in prepared.ends[:1])
             nbytes = sum(o[4] * o[5] for o in ops)
             stream = torch.cuda.current_stream().cuda_stream
 
@@ -100,31 +81,25 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
             seconds, host_s = clock.time(loop, args.reps)
             emit(rows, ceil, page=page_size, chunks=len(prepared.plan.chunks), what="2-D copy loop", copies=len(ops),
                  gbps=gbps(nbytes, seconds), host_us=host_s * 1e6, host_us_per_copy=host_s * 1e6 / len(ops))
-            if batch3d is not None:
-                table = (BatchOp * len(ops))()
-                for op, (dst, dp, src, sp, width, height) in zip(table, ops):
-                    op.src = Operand(OPERAND_POINTER, 0, src, sp, 0, 0, 0)
-                    op.dst = Operand(OPERAND_POINTER, 0, dst, dp, 0, 0, 0)
-                    op.width, op.height, op.depth, op.order, op.flags = width, height, 1, ACCESS_ORDER_STREAM, 0
+            spreads = (("K and V on 2 streams", [ops[:k_copies], ops[k_copies:]]),
+                       ("copies round-robin over 2 streams", [ops[0::2], ops[1::2]]),
+                       ("copies round-robin over 3 streams", [ops[0::3], ops[1::3], ops[2::3]]))
+            for what, parts in spreads:
+                side = [torch.cuda.Stream() for _ in parts]
 
-                def one_batch(ops: list = ops, table=table, stream: int = stream) -> None:
-                    code = batch3d(ctypes.c_size_t(len(ops)), table, ctypes.c_ulonglong(0), ctypes.c_void_p(stream))
-                    if code:
-                        raise RuntimeError(f"cudaMemcpy3DBatchAsync: {backend.runtime.error_name(code)}")
+                def spread_loop(parts: list = parts, side: list = side) -> None:
+                    current = torch.cuda.current_stream()
+                    for stream_j, part in zip(side, parts):
+                        stream_j.wait_stream(current)
+                        handle = stream_j.cuda_stream
+                        for dst, dp, src, sp, width, height in part:
+                            backend.runtime.memcpy_2d(dst, dp, src, sp, width, height, handle)
+                    for stream_j in side:
+                        current.wait_stream(stream_j)
 
-                try:
-                    seconds, host_s = clock.time(one_batch, args.reps)
-                    emit(rows, ceil, page=page_size, chunks=len(prepared.plan.chunks), what="one 3-D batch", copies=len(ops),
-                         gbps=gbps(nbytes, seconds), host_us=host_s * 1e6, host_us_per_copy=host_s * 1e6 / len(ops))
-                    staging.zero_()
-                    loop()
-                    expect = staging.clone()
-                    staging.zero_()
-                    one_batch()
-                    torch.cuda.synchronize()
-                    print(f"  3-D batch bytes equal to the 2-D loop's: {torch.equal(staging, expect)}", flush=True)
-                except RuntimeError as exc:
-                    print(f"  3-D batch refused: {exc}", flush=True)
+                seconds, host_s = clock.time(spread_loop, args.reps)
+                emit(rows, ceil, page=page_size, chunks=len(prepared.plan.chunks), what=what, copies=len(ops),
+                     gbps=gbps(nbytes, seconds), host_us=host_s * 1e6)
             del staging
             for io in ("kernel", "direct", "staged"):
                 back_to_back(clock, w, host, io, page_size, len(prepared.plan.chunks), args.reps, ceil, rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -101,9 +102,48 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
                 emit(rows, ceil, page=page_size, chunks=len(prepared.plan.chunks), what=what, copies=len(ops),
                      gbps=gbps(nbytes, seconds), host_us=host_s * 1e6)
             del staging
+            timeline(w, host, page_size, len(prepared.plan.chunks))
             for io in ("kernel", "direct", "staged"):
                 back_to_back(clock, w, host, io, page_size, len(prepared.plan.chunks), args.reps, ceil, rows)
     return rows
+
+
+def timeline(w, host, page_size: int, chunks: int) -> None:
+    """One staged per-layer load with an event before and after each chunk's copies (on the
+    copy stream) and each chunk's kernel (on the current stream): where the time goes."""
+    mover = host._mover("staged")  # noqa: SLF001
+    copy, gather = mover._copy, mover._gather  # noqa: SLF001
+    marks: list[tuple[str, int, object, object]] = []
+
+    def timed(name: str, fn, stream_of):
+        def wrapper(transfer, prepared, chunk, slot, *rest):
+            stream = stream_of(*rest)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record(stream)
+            fn(transfer, prepared, chunk, slot, *rest)
+            end.record(stream)
+            marks.append((name, chunk, begin, end))
+        return wrapper
+
+    mover._copy = timed("copy", copy, lambda handle: torch.cuda.ExternalStream(handle))  # noqa: SLF001
+    mover._gather = timed("kernel", gather, lambda: torch.cuda.current_stream())  # noqa: SLF001
+    for _ in range(2):
+        marks.clear()
+        torch.cuda.synchronize()
+        origin = torch.cuda.Event(enable_timing=True)
+        origin.record()
+        t0 = time.perf_counter()
+        torch.cuda.set_sync_debug_mode("warn")  # a call that waits for the GPU would say so here
+        host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, 0, io_backend="staged")
+        torch.cuda.set_sync_debug_mode(0)
+        host_us = (time.perf_counter() - t0) * 1e6
+        last = torch.cuda.Event(enable_timing=True)
+        last.record()
+        torch.cuda.synchronize()
+    print(f"  timeline, page {page_size}, {chunks} chunks: host {host_us:.0f} us, device {origin.elapsed_time(last) * 1e3:.0f} us", flush=True)
+    for name, chunk, begin, end in marks:
+        print(f"    {name:6s} chunk {chunk:2d}  {origin.elapsed_time(begin) * 1e3:8.1f} .. {origin.elapsed_time(end) * 1e3:8.1f} us", flush=True)
+    mover._copy, mover._gather = copy, gather  # noqa: SLF001
 
 
 def back_to_back(clock: Clock, w, host, io: str, page_size: int, chunks: int, reps: int, ceil: dict, rows: list[dict]) -> None:

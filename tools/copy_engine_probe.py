@@ -110,7 +110,9 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
 
 def timeline(w, host, page_size: int, chunks: int) -> None:
     """One staged per-layer load with an event before and after each chunk's copies (on the
-    copy stream) and each chunk's kernel (on the current stream): where the time goes."""
+    copy stream) and each chunk's kernel (on the current stream): where the time goes.  The
+    kernel as it is, replaced by a sleep of about its length, and left out: whether the copies
+    slow down beside the kernel, beside any kernel, or not at all."""
     mover = host._mover("staged")  # noqa: SLF001
     copy, gather = mover._copy, mover._gather  # noqa: SLF001
     marks: list[tuple[str, int, object, object]] = []
@@ -125,24 +127,34 @@ def timeline(w, host, page_size: int, chunks: int) -> None:
             marks.append((name, chunk, begin, end))
         return wrapper
 
+    cycles = int(1.9e9 * w.layer_bytes / chunks / 70e9)  # the kernel's time at ~70 GB/s
+    def wide(*a) -> None:
+        mover.gather.block_quota = 32
+        gather(*a)
+        mover.gather.block_quota = 8
+
+    kernels = {"kernel": gather, "kernel at 32 blocks": wide, "sleep": lambda *a: torch.cuda._sleep(cycles), "none": lambda *a: None}
     mover._copy = timed("copy", copy, lambda handle: torch.cuda.ExternalStream(handle))  # noqa: SLF001
-    mover._gather = timed("kernel", gather, lambda: torch.cuda.current_stream())  # noqa: SLF001
-    for _ in range(2):
-        marks.clear()
-        torch.cuda.synchronize()
-        origin = torch.cuda.Event(enable_timing=True)
-        origin.record()
-        t0 = time.perf_counter()
-        torch.cuda.set_sync_debug_mode("warn")  # a call that waits for the GPU would say so here
-        host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, 0, io_backend="staged")
-        torch.cuda.set_sync_debug_mode(0)
-        host_us = (time.perf_counter() - t0) * 1e6
-        last = torch.cuda.Event(enable_timing=True)
-        last.record()
-        torch.cuda.synchronize()
-    print(f"  timeline, page {page_size}, {chunks} chunks: host {host_us:.0f} us, device {origin.elapsed_time(last) * 1e3:.0f} us", flush=True)
-    for name, chunk, begin, end in marks:
-        print(f"    {name:6s} chunk {chunk:2d}  {origin.elapsed_time(begin) * 1e3:8.1f} .. {origin.elapsed_time(end) * 1e3:8.1f} us", flush=True)
+    for variant, fn in kernels.items():
+        mover._gather = timed(variant, fn, lambda: torch.cuda.current_stream())  # noqa: SLF001
+        for _ in range(2):
+            marks.clear()
+            torch.cuda.synchronize()
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+            t0 = time.perf_counter()
+            host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, 0, io_backend="staged")
+            host_us = (time.perf_counter() - t0) * 1e6
+            last = torch.cuda.Event(enable_timing=True)
+            last.record()
+            torch.cuda.synchronize()
+        copy_us = [b.elapsed_time(e) * 1e3 for name, _, b, e in marks if name == "copy"]
+        first = min(origin.elapsed_time(b) for name, _, b, e in marks if name == "copy") * 1e3
+        print(f"  timeline, page {page_size}, {chunks} chunks, {variant}: host {host_us:.0f} us, device {origin.elapsed_time(last) * 1e3:.0f} us, "
+              f"first copy at {first:.0f} us, copies {w.layer_bytes / sum(copy_us) / 1e3:.1f} GB/s", flush=True)
+        if variant == "kernel":
+            for name, chunk, begin, end in marks:
+                print(f"    {name:6s} chunk {chunk:2d}  {origin.elapsed_time(begin) * 1e3:8.1f} .. {origin.elapsed_time(end) * 1e3:8.1f} us", flush=True)
     mover._copy, mover._gather = copy, gather  # noqa: SLF001
 
 

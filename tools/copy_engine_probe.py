@@ -29,6 +29,10 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="64,16")
     parser.add_argument("--chunks", default="4,16")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--host-memory", default="pinned", choices=("pinned", "registered"))
+    parser.add_argument("--device-pages", default="random", choices=("random", "ascending"),
+                        help="ascending: the device side of each load in address order (the kernel's writes walk memory in order)")
+    parser.add_argument("--timeline-only", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
     backend = backends.use("cuda")
@@ -54,7 +58,10 @@ def emit(rows: list[dict], ceil: dict, **row) -> None:
 def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[dict]:
     w = StagedWorkload(Geometry(4, 192, 128, "bf16", 0), page_size, 8, backend.device, "allocator")
     rows: list[dict] = []
-    with w.host_pool("page_first_direct", "staged") as host:
+    if args.device_pages == "ascending":
+        pages = w.dev_idx.view(-1, page_size)
+        w.dev_idx = pages[pages[:, 0].argsort()].reshape(-1)
+    with w.host_pool("page_first_direct", "staged", args.host_memory) as host:
         mover = host._mover("staged")  # noqa: SLF001 -- a probe takes the path apart
         binding = host._bind(w.dev, range(0, 1))  # noqa: SLF001
         indices = host._validator(w.host_idx, w.dev_idx, binding.geometry.tokens, True)  # noqa: SLF001
@@ -103,6 +110,8 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
                      gbps=gbps(nbytes, seconds), host_us=host_s * 1e6)
             del staging
             timeline(w, host, page_size, len(prepared.plan.chunks))
+            if args.timeline_only:
+                continue
             for io in ("kernel", "direct", "staged"):
                 back_to_back(clock, w, host, io, page_size, len(prepared.plan.chunks), args.reps, ceil, rows)
     return rows

@@ -20,6 +20,7 @@ Pure numpy, no device: the CPU backend runs the same plan with memmove.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,10 +35,18 @@ MAX_PITCH = (1 << 31) - 1
 # A chunk's two copies (K, V) start on this alignment in the staging buffer: the
 # kernel picks its access width from the addresses, 16 bytes wants 16.
 STAGING_ALIGN = 256
-# Chunks a large transfer is cut into, at most, and the smallest chunk: the first
-# chunk's kernel (backup) or the last one's (load) does not overlap a copy, so
-# the chunk bounds that tail; each chunk costs its copies' and events' host time.
-PIPELINE_CHUNKS = 16
+# Chunks a large transfer is cut into: a few large ones, then chunks that shrink
+# toward the end of a load (grow from the start of a backup).  The kernel of a load's
+# last chunk (a backup's first) overlaps no copy, so that chunk sets the pipeline's
+# tail; every chunk boundary inside a run of host pages costs two more copies, and
+# each copy ~2.9 us of copy-engine time on the H200 (docs/PERFORMANCE.md).  TAPER: a
+# load's chunk may be 3/4 of the one before and still be copied no faster than the
+# kernel (~73 GB/s at 8 blocks) empties the previous one (~53 GB/s over PCIe: 0.73),
+# so the copies never wait for a slot; a backup mirrors it.  TAIL_BYTES: the last
+# chunk, whose kernel alone is the tail (~30 us).
+PIPELINE_CHUNKS = 4
+TAPER = 0.75
+TAIL_BYTES = 2 << 20
 MIN_CHUNK_BYTES = 1 << 20
 
 
@@ -68,8 +77,8 @@ class StagedPlan:
     """How one transfer goes through staging: its chunks and, for K and V, the staging
     miniature's strides, where it starts in a slot, and the copies."""
 
-    chunk_tokens: int  # tokens a chunk holds (the last may hold fewer); a multiple of page_size
-    chunks: tuple[range, ...]  # positions in the index list
+    chunk_tokens: int  # tokens the largest chunk holds, a multiple of page_size: what a slot must hold
+    chunks: tuple[range, ...]  # positions in the index list, in order
     layers: int  # layers a staging miniature holds: 1 (stride 0: any layer) or all of them
     staging: tuple[HostStrides, HostStrides]
     offsets: tuple[int, int]  # where the K and V miniatures start in a slot
@@ -115,8 +124,8 @@ def staging_strides(host: torch.Tensor, layout: str, layers: int, staged_layers:
 
 
 def chunk_tokens(tokens: int, token_bytes: int, page_size: int, slot_bytes: int) -> int:
-    """Tokens per chunk (a multiple of page_size): about tokens / PIPELINE_CHUNKS, at least
-    MIN_CHUNK_BYTES' worth, at most what a slot holds; 0 when not one page fits a slot."""
+    """Tokens of a full chunk (a multiple of page_size): about tokens / PIPELINE_CHUNKS, at
+    least MIN_CHUNK_BYTES' worth, at most what a slot holds; 0 when not one page fits a slot."""
     fits = slot_bytes // (token_bytes * page_size) * page_size
     if fits == 0:
         return 0
@@ -124,14 +133,37 @@ def chunk_tokens(tokens: int, token_bytes: int, page_size: int, slot_bytes: int)
     return min(fits, -(-wanted // page_size) * page_size, -(-tokens // page_size) * page_size)
 
 
-def host_runs(host_idx: np.ndarray, chunk: int, registration_tokens: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """Starts (positions) and lengths of runs of consecutive host tokens, cut at chunk
-    boundaries and, for registered host memory, where a registration of K or of V ends."""
+def chunk_bounds(tokens: int, token_bytes: int, page_size: int, slot_bytes: int, to_device: bool) -> np.ndarray:
+    """Where the chunks of a transfer of `tokens` start and end (positions; 0 first, `tokens`
+    last), each a whole number of pages and at most a full chunk (chunk_tokens): full chunks
+    first, then chunks shrinking by TAPER down to TAIL_BYTES at the end of a load; the same
+    sizes in reverse for a backup.  Empty where not one page fits a slot."""
+    full = chunk_tokens(tokens, token_bytes, page_size, slot_bytes)
+    if full == 0:
+        return np.zeros(0, np.int64)
+    pages = lambda n: max(page_size, math.ceil(n / page_size) * page_size)  # noqa: E731 -- whole pages, at least one
+    taper, size = [], pages(TAIL_BYTES / token_bytes)
+    while size < full and sum(taper) + size < tokens:
+        taper.append(size)
+        size = pages(size / TAPER)
+    rest = tokens - sum(taper)
+    count = -(-rest // full)
+    front = [pages(rest / count)] * (count - 1)
+    sizes = [*front, rest - sum(front), *taper[::-1]]
+    if not to_device:
+        sizes.reverse()
+    return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+
+
+def host_runs(host_idx: np.ndarray, bounds: np.ndarray, registration_tokens: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Starts (positions) and lengths of runs of consecutive host tokens, cut at the chunk
+    `bounds` and, for registered host memory, where a registration of K or of V ends."""
     n = host_idx.size
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     follows = np.diff(host_idx) == 1
-    follows &= np.arange(1, n) % chunk != 0
+    cuts = bounds[(bounds > 0) & (bounds < n)]
+    follows[cuts - 1] = False
     for tokens in registration_tokens:
         if tokens:
             follows &= host_idx[1:] % tokens != 0
@@ -200,7 +232,7 @@ def copies(host: HostStrides, staging: HostStrides, page_size: int, page_major: 
 
 
 def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers: range, layer_count: int,
-         slot_bytes: int) -> StagedPlan | None:
+         slot_bytes: int, to_device: bool = True) -> StagedPlan | None:
     """The staged plan of a transfer, or None where staging cannot carry it (a page layout's
     indices that are not whole pages, layers that are neither one nor all from 0, or not one
     page fitting a slot).  `pairs` are plan.TensorPair (K, V): their host buffers, strides
@@ -213,19 +245,20 @@ def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers
     # step (the in-page token stride of a one-token page means nothing).
     page_major = tuple(page_size == 1 or p.strides.page != page_size * p.strides.token for p in pairs)
     token_bytes = sum(p.device_token_bytes for p in pairs) * staged_layers
-    chunk = chunk_tokens(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN)
-    if chunk == 0:
+    bounds = chunk_bounds(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN, to_device)
+    if bounds.size == 0:
         return None
-    starts, lengths = host_runs(host_idx, chunk, tuple(p.registration_tokens for p in pairs))
+    starts, lengths = host_runs(host_idx, bounds, tuple(p.registration_tokens for p in pairs))
     if any(page_major) and not whole_pages(host_idx, starts, lengths, page_size):
         return None
-    chunks = tuple(range(b, min(b + chunk, host_idx.size)) for b in range(0, host_idx.size, chunk))
-    pages = chunk // page_size
+    chunks = tuple(range(int(b), int(e)) for b, e in zip(bounds[:-1], bounds[1:]))
+    pages = -(-max(len(c) for c in chunks) // page_size)  # a staging miniature holds whole pages
+    chunk = pages * page_size
     staging = tuple(staging_strides(p.host, layout, layer_count, staged_layers, pages, page_size) for p in pairs)
     k_bytes = chunk * staged_layers * pairs[0].device_token_bytes
     offsets = (0, -(-k_bytes // STAGING_ALIGN) * STAGING_ALIGN)
     slot = offsets[1] + chunk * staged_layers * pairs[1].device_token_bytes
-    chunk_of_run = starts // chunk
-    runs = tuple(copies(p.strides, s, page_size, major, host_idx[starts], starts - chunk_of_run * chunk, lengths,
+    chunk_of_run = np.searchsorted(bounds, starts, side="right") - 1
+    runs = tuple(copies(p.strides, s, page_size, major, host_idx[starts], starts - bounds[chunk_of_run], lengths,
                         staged_layers, chunk_of_run, len(chunks)) for p, s, major in zip(pairs, staging, page_major))
     return StagedPlan(chunk, chunks, staged_layers, staging, offsets, slot, runs)

@@ -37,7 +37,7 @@ from .. import config
 from ..cache import IdentityCache
 from ..layout import chunking
 from ..plan import IndexPair, TensorPair, Transfer, run_offsets, tensor_pair
-from ..runs import PIPELINE_CHUNKS, StagedPlan, miniature, plan
+from ..runs import StagedPlan, miniature, plan
 from .base import BadIndexFlag, Mover, MoverFactory
 from .kernel_args import BLOCK, JobTemplate, PreparedLaunch
 
@@ -47,7 +47,7 @@ from .kernel_args import BLOCK, JobTemplate, PreparedLaunch
 STAGING_BLOCKS = 8
 PLANS_KEPT = 8  # staged plans per pool: a load's and a backup's indices, a few of each
 TEMPLATES_KEPT = 16
-LAUNCHES_KEPT = 4 * PIPELINE_CHUNKS  # a prepared launch per chunk and slot, for a few plans
+LAUNCHES_KEPT = 128  # a prepared launch per chunk (a backup of a large pool has ~30), for a few plans
 # Under this many bytes a call is latency: the kernel path's one launch is the cheapest.
 AUTO_MIN_BYTES = 4 << 20
 
@@ -299,7 +299,7 @@ class StagedMover(Mover):
             k = transfer.pairs[0]
             host_np, _, skipped = transfer.indices.inside(k.strides.tokens, k.device[0].shape[0])
             staged = None if skipped else plan(host_np, transfer.pairs, k.layout, transfer.page_size, transfer.layers, len(k.device),
-                                               self.staging_bytes // 2)
+                                               self.staging_bytes // 2, transfer.to_device)
             prepared = self._plans.store(key, _NO_PLAN if staged is None else Prepared(staged, transfer), stamp)
         return None if prepared is _NO_PLAN else prepared
 

@@ -46,11 +46,13 @@ def plan(layout: str, page_size: int, host_idx: np.ndarray, layers: range, slot_
 
 def test_runs_break_where_tokens_jump_at_chunks_and_registrations():
     idx = np.array([4, 5, 6, 7, 8, 20, 21, 3])
-    starts, lengths = runs.host_runs(idx, chunk=100)
+    starts, lengths = runs.host_runs(idx, np.array([0, 8]))
     assert starts.tolist() == [0, 5, 7] and lengths.tolist() == [5, 2, 1]
-    starts, lengths = runs.host_runs(idx, chunk=4)
+    starts, lengths = runs.host_runs(idx, np.array([0, 4, 8]))
     assert starts.tolist() == [0, 4, 5, 7] and lengths.tolist() == [4, 1, 2, 1]
-    starts, lengths = runs.host_runs(idx, chunk=100, registration_tokens=(6,))
+    starts, lengths = runs.host_runs(idx, np.array([0, 3, 6, 8]))
+    assert starts.tolist() == [0, 3, 5, 6, 7] and lengths.tolist() == [3, 2, 1, 1, 1]
+    starts, lengths = runs.host_runs(idx, np.array([0, 8]), registration_tokens=(6,))
     assert starts.tolist() == [0, 2, 5, 7]
 
 
@@ -148,6 +150,30 @@ def test_a_plan_fits_its_slot_and_cuts_runs_at_chunks():
     k, _ = staged_plan.copies
     assert len(k) == 22 and k.chunk_ends.tolist() == list(range(1, 23))
     assert plan("page_first_direct", P, idx, range(L), L * P * (K_TOKEN + V_TOKEN) - 1) is None
+
+
+@pytest.mark.parametrize("to_device", [True, False])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_chunks_taper_to_a_small_tail_no_faster_than_the_kernel_keeps_up(page_size, to_device):
+    """A load's chunks shrink toward its end (a backup's grow from its start) by no more than
+    TAPER a step, down to about TAIL_BYTES: the kernel of the last chunk alone is the tail,
+    and no copy waits for a slot.  Every chunk is whole pages and fits a slot."""
+    token_bytes = (K_TOKEN + V_TOKEN)  # one layer: a per-layer load
+    page_bytes = token_bytes * page_size
+    for total in (100e6, 800e6, 3e6, page_bytes):
+        tokens = max(page_size, int(total // page_bytes) * page_size)
+        for slot in (32 << 20, 4 << 20, page_bytes):
+            bounds = runs.chunk_bounds(tokens, token_bytes, page_size, slot, to_device)
+            sizes = np.diff(bounds)
+            assert bounds[0] == 0 and bounds[-1] == tokens and (sizes > 0).all()
+            assert (sizes % page_size == 0).all() and sizes.max() * token_bytes <= slot
+            order = sizes if to_device else sizes[::-1]  # in the order the pipeline drains them
+            full = runs.chunk_tokens(tokens, token_bytes, page_size, slot)
+            tail = max(page_size, -(-(runs.TAIL_BYTES // token_bytes) // page_size) * page_size)
+            if tokens >= 4 * full and full > 2 * tail:
+                assert order[-1] <= tail + page_size, "the tail is one small chunk"
+                shrink = order[1:] / order[:-1]
+                assert (shrink >= runs.TAPER - page_size / order[1:]).all(), "no chunk less than TAPER of the one before"
 
 
 # -- the staged mover on a simulated GPU and against a fake HIP runtime -------------------------

@@ -58,12 +58,14 @@ def table(rows: list[Row], meta: dict) -> str:
         lines.append(line.rstrip())
     lines += ["", device_label(meta) + "; " + ceiling_text(meta) + "."]
     if gpu:
-        lines += ["dir: h2d is one per-layer load (host to GPU), d2h one all-layer backup (GPU to host), both: a load and a",
+        lines += ["dir: h2d is one per-layer load (host to GPU; \"layers back to back\": every layer's load in turn, as an engine",
+                  "issues them, host us per call), d2h one all-layer backup (GPU to host), both: a load and a",
                   "backup at once on two streams; GB/s over the device time (events), median; %ceil: of the ceiling of the",
                   "same direction; host us: host CPU time to enqueue one call, median (host_cost: back to back); blocks: the kernel path's block quota",
                   "(the most SMs a call occupies); peers: what engines do today; extra: the setting a sweep changed; -: not measured."]
     else:
-        lines += ["call: load is one per-layer load, backup one all-layer backup, here both between two host buffers;",
+        lines += ["call: load is one per-layer load (\"layers back to back\": every layer's in turn, host us per call),",
+                  "backup one all-layer backup, here both between two host buffers;",
                   "GB/s over the wall time, median; host us: the same call's host time (on the CPU backend the call is the copy);",
                   "no GPU was used: run `portable-kv bench` on a GPU host for link bandwidths."]
     return "\n".join(lines)

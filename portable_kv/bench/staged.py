@@ -3,8 +3,9 @@ and the peers, for host pages placed by the allocator after an engine's churn an
 pages placed at random (the worst case), against the ceiling of the same run.
 
 Per page size: the allocator's run lengths after churn; per placement and io path a
-per-layer load (H2D) and an all-layer backup (D2H) of page_first_direct pages, with
-the SMs each path occupies and its host time per call; a load and a backup at once;
+per-layer load (H2D) from an idle GPU, per-layer loads of every layer back to back (as
+an engine's load stream issues them) and an all-layer backup (D2H) of page_first_direct
+pages, with the SMs each path occupies and its host time per call; a load and a backup at once;
 on a GPU, a bf16 matmul loop's slowdown while loads run beside it.
 """
 
@@ -124,7 +125,8 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
         rows += [_labelled(r, f"peer: {r.name}, random pages") for r in peers(clock, own, reps, ceil)]
     with w.host_pool("page_first_direct", "kernel") as host:
         for io in IOS:
-            for row in bench_pool(clock, w, host, io, reps, ceil, "staged", f"{name} {io}, {w.placement} host pages"):
+            label = f"{name} {io}, {w.placement} host pages"
+            for row in [*bench_pool(clock, w, host, io, reps, ceil, "staged", label), back_to_back(clock, w, host, io, reps, ceil, label)]:
                 rows.append(_with_sms(row, backend, host, io, clock.gpu))
         if clock.gpu:
             for io in ("kernel", "staged", "auto"):
@@ -148,6 +150,20 @@ def _with_sms(row: Row, backend, host: pk.AsymmetricHostPool, io: str, gpu: bool
         row.grid = {"kernel": getattr(backend, "block_quota", 0), "staged": STAGING_BLOCKS}.get(taken, 0)
         row.extra["sms"] = row.grid
     return row
+
+
+def back_to_back(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str) -> Row:
+    """Per-layer loads of every layer in turn, issued back to back as an engine's load stream
+    issues them: a call's host time and first-copy latency overlap the previous call's
+    transfer, which a single call from an idle GPU (bench_pool's row) cannot show."""
+    def every_layer() -> None:
+        for layer in range(w.layers):
+            host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, layer, io_backend=io)
+
+    seconds, host_s = clock.time(every_layer, max(3, reps // 2), warmup=1)
+    rate = gbps(w.layer_bytes * w.layers, seconds)
+    return Row("staged", f"{name}, {w.layers} layers back to back", "h2d", w.page_size, rate, percent(rate, ceil, "h2d"),
+               host_s * 1e6 / w.layers)
 
 
 def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str) -> Row:

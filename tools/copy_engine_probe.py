@@ -17,6 +17,7 @@ import time
 import torch
 
 from portable_kv import backends, runs
+from portable_kv.backends.jit import KernelSpec
 from portable_kv.bench.measure import Clock, gbps
 from portable_kv.bench.sections import ceiling
 from portable_kv.bench.staged import StagedWorkload
@@ -142,7 +143,25 @@ def timeline(w, host, page_size: int, chunks: int) -> None:
         gather(*a)
         mover.gather.block_quota = 8
 
-    kernels = {"kernel": gather, "kernel at 32 blocks": wide, "sleep": lambda *a: torch.cuda._sleep(cycles), "none": lambda *a: None}
+    chunk_bytes = int(w.layer_bytes / chunks)
+    scratch = torch.empty(2 * chunk_bytes, dtype=torch.uint8, device=w.dev.device)
+
+    def churn(*a) -> None:  # as many bytes through L2 as the kernel moves, on every SM, briefly
+        scratch[:chunk_bytes].copy_(scratch[chunk_bytes:])
+
+    backend = mover.gather.backend
+    streamed = backend.runtime.load(KernelSpec.for_source(backend.runtime.kernel_source, backend.runtime.arch(), backend.runtime.compiler(),
+                                                          backend.runtime.code_suffix, ("-DPKV_DEVICE_STORE_STREAM",)).build(backend.runtime.compile))
+
+    def streaming_stores(*a) -> None:
+        kept, backend._kernels = backend._kernels, streamed  # noqa: SLF001
+        mover.gather._launches.clear()  # noqa: SLF001 -- prepared launches hold the kernel
+        gather(*a)
+        backend._kernels = kept  # noqa: SLF001
+        mover.gather._launches.clear()  # noqa: SLF001
+
+    kernels = {"kernel": gather, "kernel at 32 blocks": wide, "kernel, streaming device stores": streaming_stores,
+               "device-to-device copy (torch)": churn, "sleep": lambda *a: torch.cuda._sleep(cycles), "none": lambda *a: None}
     mover._copy = timed("copy", copy, lambda handle: torch.cuda.ExternalStream(handle))  # noqa: SLF001
     for variant, fn in kernels.items():
         mover._gather = timed(variant, fn, lambda: torch.cuda.current_stream())  # noqa: SLF001

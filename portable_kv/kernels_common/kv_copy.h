@@ -144,9 +144,14 @@ __device__ __forceinline__ void pkv_copy(const PkvCopyArgs& a) {
     for (int u = 0; u < PKV_UNROLL; ++u) {
       if (dst[u] != nullptr) {
         // Device-side writes stay cacheable: attention reads them next.
-        // Host-side writes are streamed out.
+        // Host-side writes are streamed out.  PKV_DEVICE_STORE_STREAM streams
+        // both, a variant for measuring what cached writes cost other traffic.
+#ifdef PKV_DEVICE_STORE_STREAM
+        pkv_store_stream((Vec*)dst[u], value[u]);
+#else
         if (a.to_device) *(Vec*)dst[u] = value[u];
         else pkv_store_stream((Vec*)dst[u], value[u]);
+#endif
       }
       src[u] = next_src[u];
       dst[u] = next_dst[u];

@@ -151,7 +151,7 @@ def timeline(w, host, page_size: int, chunks: int) -> None:
 
     backend = mover.gather.backend
     streamed = backend.runtime.load(KernelSpec.for_source(backend.runtime.kernel_source, backend.runtime.arch(), backend.runtime.compiler(),
-                                                          backend.runtime.code_suffix, ("-DPKV_DEVICE_STORE_STREAM",)).build(backend.runtime.compile))
+                                                          backend.runtime.code_suffix, ("PKV_DEVICE_STORE_STREAM",)).build(backend.runtime.compile))
 
     def streaming_stores(*a) -> None:
         kept, backend._kernels = backend._kernels, streamed  # noqa: SLF001

@@ -17,7 +17,6 @@ import time
 import torch
 
 from portable_kv import backends, runs
-from portable_kv.backends.jit import KernelSpec
 from portable_kv.bench.measure import Clock, gbps
 from portable_kv.bench.sections import ceiling
 from portable_kv.bench.staged import StagedWorkload
@@ -121,8 +120,9 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
 def timeline(w, host, page_size: int, chunks: int) -> None:
     """One staged per-layer load with an event before and after each chunk's copies (on the
     copy stream) and each chunk's kernel (on the current stream): where the time goes.  The
-    kernel as it is, replaced by a sleep of about its length, and left out: whether the copies
-    slow down beside the kernel, beside any kernel, or not at all."""
+    kernel as it is (device-side writes streamed), at 32 blocks, with the kernel path's
+    cached device-side writes, and replaced by a device-to-device copy of its bytes, by a
+    sleep of about its length, and by nothing: what beside the copies slows them."""
     mover = host._mover("staged")  # noqa: SLF001
     copy, gather = mover._copy, mover._gather  # noqa: SLF001
     marks: list[tuple[str, int, object, object]] = []
@@ -149,18 +149,12 @@ def timeline(w, host, page_size: int, chunks: int) -> None:
     def churn(*a) -> None:  # as many bytes through L2 as the kernel moves, on every SM, briefly
         scratch[:chunk_bytes].copy_(scratch[chunk_bytes:])
 
-    backend = mover.gather.backend
-    streamed = backend.runtime.load(KernelSpec.for_source(backend.runtime.kernel_source, backend.runtime.arch(), backend.runtime.compiler(),
-                                                          backend.runtime.code_suffix, ("PKV_DEVICE_STORE_STREAM",)).build(backend.runtime.compile))
-
-    def streaming_stores(*a) -> None:
-        kept, backend._kernels = backend._kernels, streamed  # noqa: SLF001
-        mover.gather._launches.clear()  # noqa: SLF001 -- prepared launches hold the kernel
+    def cached_stores(*a) -> None:  # the kernel path's device-side writes, which stay in L2
+        mover.gather.stream_device = False
         gather(*a)
-        backend._kernels = kept  # noqa: SLF001
-        mover.gather._launches.clear()  # noqa: SLF001
+        mover.gather.stream_device = True
 
-    kernels = {"kernel": gather, "kernel at 32 blocks": wide, "kernel, streaming device stores": streaming_stores,
+    kernels = {"kernel": gather, "kernel at 32 blocks": wide, "kernel, cached device stores": cached_stores,
                "device-to-device copy (torch)": churn, "sleep": lambda *a: torch.cuda._sleep(cycles), "none": lambda *a: None}
     mover._copy = timed("copy", copy, lambda handle: torch.cuda.ExternalStream(handle))  # noqa: SLF001
     for variant, fn in kernels.items():

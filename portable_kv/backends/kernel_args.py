@@ -56,6 +56,7 @@ class CopyArgs(ctypes.Structure):
         ("layers", ctypes.c_int64),
         ("total_vecs", ctypes.c_int64),
         ("to_device", ctypes.c_int64),
+        ("stream_device", ctypes.c_int64),
     ]
 
 
@@ -118,7 +119,8 @@ class PreparedLaunch:
     """A kernel launch ready to go but for its layer: the struct the kernel takes
     by value (the launch copies it at the call, so it may change after)."""
 
-    def __init__(self, transfer: Transfer, template: JobTemplate, error_flag: int, block_quota: int, stream: int = 0) -> None:
+    def __init__(self, transfer: Transfer, template: JobTemplate, error_flag: int, block_quota: int, stream: int = 0,
+                 stream_device: bool = False) -> None:
         # The pairs and indices are referred to weakly: a launch is reused only while they
         # live (so the struct's addresses are theirs), and a kept launch never keeps an
         # engine's dropped device pool alive.  Work already enqueued needs no reference:
@@ -142,6 +144,7 @@ class PreparedLaunch:
         args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)
         args.page_size = transfer.page_size
         args.to_device = transfer.to_device
+        args.stream_device = stream_device
         self.grid = grid_size(args.total_vecs, block_quota)
         self._param_array = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         self.params = ctypes.addressof(self._param_array)

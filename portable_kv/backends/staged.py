@@ -220,14 +220,17 @@ class Prepared:
 
 class KernelGather(Mover):
     """The C copy kernel between a staging slot and the KV buffers, on the current stream,
-    at the staging block quota; a prepared launch per (slot, chunk) is kept."""
+    at the staging block quota, its device-side writes streamed (`stream_device`: cached
+    ones slowed the next copies into staging, kv_copy.h); a prepared launch per (slot,
+    chunk) is kept."""
 
     io = "kernel"
 
-    def __init__(self, backend: Any, block_quota: int = STAGING_BLOCKS) -> None:
+    def __init__(self, backend: Any, block_quota: int = STAGING_BLOCKS, stream_device: bool = True) -> None:
         super().__init__(backend.device)
         self.backend = backend
         self.block_quota = block_quota
+        self.stream_device = stream_device
         self._templates: IdentityCache[JobTemplate] = IdentityCache(TEMPLATES_KEPT)
         self._launches: IdentityCache[PreparedLaunch] = IdentityCache(LAUNCHES_KEPT)
 
@@ -236,11 +239,12 @@ class KernelGather(Mover):
         runtime = backend.runtime
         runtime.bind_thread()
         stream = runtime.current_stream()
-        key, stamp = (transfer.pairs, transfer.indices), (transfer.to_device, len(transfer.layers), self.block_quota, stream)
+        key = (transfer.pairs, transfer.indices)
+        stamp = (transfer.to_device, len(transfer.layers), self.block_quota, stream, self.stream_device)
         launch = self._launches.lookup(key, stamp)
         if launch is None:
             template = self._templates.get(transfer.pairs, lambda: JobTemplate(transfer.pairs, [backend.layer_table(p.device) for p in transfer.pairs]))
-            launch = PreparedLaunch(transfer, template, self.bad_index.address, self.block_quota, stream)
+            launch = PreparedLaunch(transfer, template, self.bad_index.address, self.block_quota, stream, self.stream_device)
             launch.kernel = backend.kernels()[launch.width]
             self._launches.store(key, launch, stamp)
         launch.args.layer_begin = transfer.layers.start

@@ -37,6 +37,10 @@ struct PkvCopyArgs {
   unsigned long long error_flag;                     // mapped host int: set on a bad index
   long long tokens, page_size, layer_begin, layers;
   long long total_vecs, to_device;
+  // 1: device-side writes are streamed too.  The staged path's kernel sets it: its
+  // cached writes slowed the copy engine's next writes into staging by a fifth at
+  // 16-token pages on the H200 (docs/PERFORMANCE.md), and a layer's KV outgrows L2.
+  long long stream_device;
 };
 
 // Where vector `v` sits, before any memory is read: the token's position in
@@ -143,15 +147,10 @@ __device__ __forceinline__ void pkv_copy(const PkvCopyArgs& a) {
 #pragma unroll
     for (int u = 0; u < PKV_UNROLL; ++u) {
       if (dst[u] != nullptr) {
-        // Device-side writes stay cacheable: attention reads them next.
-        // Host-side writes are streamed out.  PKV_DEVICE_STORE_STREAM streams
-        // both, a variant for measuring what cached writes cost other traffic.
-#ifdef PKV_DEVICE_STORE_STREAM
-        pkv_store_stream((Vec*)dst[u], value[u]);
-#else
-        if (a.to_device) *(Vec*)dst[u] = value[u];
+        // Device-side writes stay cacheable (attention reads them next) unless
+        // stream_device; host-side writes are streamed out.
+        if (a.to_device && !a.stream_device) *(Vec*)dst[u] = value[u];
         else pkv_store_stream((Vec*)dst[u], value[u]);
-#endif
       }
       src[u] = next_src[u];
       dst[u] = next_dst[u];

@@ -241,6 +241,7 @@ def test_rocm_staged_issues_2d_copies_then_the_kernel_and_mirrored(fake_rocm, mo
     args = ka.CopyArgs.from_address(ctypes.c_void_p.from_address(launch[9]).value)
     assert launch[1] <= staged.STAGING_BLOCKS and launch[8] == STREAM
     assert (args.tokens, args.layer_begin, args.to_device, args.job[0].host_layer, args.job[0].host_base) == (2 * P, 2, 1, 0, dst)
+    assert args.stream_device == 1, "the staged kernel streams its device-side writes"
     lib.calls.clear()
     host.backup_from_device_per_layer(dev, host_idx, dev_idx, 1)
     assert [name for name, _ in lib.calls] == ["hipModuleLaunchKernel"] + ["hipMemcpy2DAsync"] * 2 + ["hipModuleLaunchKernel"] + ["hipMemcpy2DAsync"] * 4

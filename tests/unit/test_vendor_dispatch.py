@@ -65,7 +65,7 @@ def test_rocm_kernel_transfer_dispatch(fake_rocm, monkeypatch):
     assert kernel == 0x1000 + 16 and (gy, gz, by, bz, shared, extra) == (1, 1, 1, 1, 0, None)
     assert bx == ka.BLOCK and stream == STREAM and 1 <= gx <= backend.block_quota
     launch = ka.CopyArgs.from_address(ctypes.c_void_p.from_address(params).value)
-    assert (launch.tokens, launch.layer_begin, launch.layers, launch.to_device, launch.page_size) == (64, 2, 1, 1, 16)
+    assert (launch.tokens, launch.layer_begin, launch.layers, launch.to_device, launch.page_size, launch.stream_device) == (64, 2, 1, 1, 16, 0)
     k, v = launch.job[0], launch.job[1]
     assert k.chunk_bytes == 4 * 192 * 2 and v.chunk_bytes == 4 * 128 * 2 and k.groups == v.groups == 1
     assert v.vec_begin == 64 * k.chunk_bytes // 16 and launch.total_vecs == 64 * (k.chunk_bytes + v.chunk_bytes) // 16

@@ -50,31 +50,39 @@ TEMPLATES_KEPT = 16
 LAUNCHES_KEPT = 128  # a prepared launch per chunk (a backup of a large pool has ~30), for a few plans
 # Under this many bytes a call is latency: the kernel path's one launch is the cheapest.
 AUTO_MIN_BYTES = 4 << 20
+# Batched copies this large on average keep the direct path at the link (its descriptors,
+# unlike separate copies, follow one another with no gap); smaller ones cost host time.
+DIRECT_MIN_COPY_BYTES = 512 << 10
 
 Memcpy2D = Callable[[int, int, int, int, int, int, int], None]  # dst, dst_pitch, src, src_pitch, width, height, stream
 
 
 @dataclass(frozen=True)
 class StagingRule:
-    """When staging carries a transfer well: copies large enough that the copy engine,
-    not the host's ~6.5 us to enqueue each one, sets the pace (512 KiB last 9.5 us at
-    55 GB/s), and rows that keep the engine at the ceiling (1 KiB rows measured 54.4
-    GB/s on the H200; page_head's per-layer rows are one head's 256-384 bytes)."""
+    """When staging carries a transfer well.  Copies: each separate copy costs the copy
+    engine ~2.9 us on the H200 (docs/PERFORMANCE.md), so copies averaging 2 MiB (38 us at
+    55 GB/s) lose ~7%, where the kernel path holds 91-94%: below that, staging cannot win.
+    Rows: 1 KiB rows kept the engine at 54.4 GB/s on the H200; page_head's per-layer rows
+    are one head's 256-384 bytes."""
 
     min_row_bytes: int = 1024
-    min_copy_bytes: int = 512 << 10
-    # Whether `auto` may pick staging.  On the H200 it does not: measured against the kernel
-    # path in one run (bench --section staged, allocator pages after churn, page 64 / 16),
-    # staged loads reach 47.0 / 36.4 GB/s against the kernel's 49.2 / 49.4, backups 51.9 /
-    # 51.7 against 51.2 / 51.0, and a load and a backup at once 54.6 / 49.6 against 64.8 /
-    # 64.2 (docs/PERFORMANCE.md).  `staged` stays an explicit choice.
-    auto_stages: bool = True
+    min_copy_bytes: int = 2 << 20
+    # Which directions `auto` may stage (loads, backups).  Measured on the H200 against the
+    # kernel path in one run (bench --section staged, allocator pages after churn, pages of
+    # 64 / 16): staged backups 52.8 / 53.1 GB/s against the kernel's 51.1 / 51.3, with 8 SMs
+    # against 16; staged loads 47.3 / 45.4 against 47.6 / 47.7 (49.8 / 48.8 against 50.0 /
+    # 50.0 back to back), so `auto` stages backups only (docs/PERFORMANCE.md).
+    auto_loads: bool = True
+    auto_backups: bool = True
 
     def carries(self, staged: StagedPlan) -> bool:
         return staged.copy_count == 0 or (staged.min_width >= self.min_row_bytes and staged.mean_copy_bytes >= self.min_copy_bytes)
 
+    def auto_stages(self, to_device: bool) -> bool:
+        return self.auto_loads if to_device else self.auto_backups
 
-LINK_RULE = StagingRule(auto_stages=False)
+
+LINK_RULE = StagingRule(auto_loads=False)
 # The CPU backend models the path to run its planning in CI: it stages whatever staging can carry.
 EVERY_PLAN = StagingRule(0, 0)
 
@@ -293,6 +301,7 @@ class StagedMover(Mover):
         self._plans: IdentityCache[Any] = IdentityCache(PLANS_KEPT)
         self._slots: dict[bool, list[Slot]] = {}
         self._lock = threading.Lock()
+        self.last_path = ""  # "staged" or "kernel" (the fallback): the latest call's, for benchmarks
 
     def plan(self, transfer: Transfer) -> Prepared | None:
         """The staged plan of `transfer` (kept for its pools and indices), or None where staging cannot carry it."""
@@ -316,8 +325,10 @@ class StagedMover(Mover):
         self.bad_index.check()
         prepared = self.plan(transfer)
         if prepared is None or not prepared.carried_by(self.rule):
+            self.last_path = "kernel"
             self.fallback.move(transfer)
             return
+        self.last_path = "staged"
         with self._lock:
             slots = self._slots_for(transfer.to_device, prepared.plan.slot_bytes)
             if transfer.to_device:
@@ -404,14 +415,14 @@ class AutoMover(Mover):
     1. under AUTO_MIN_BYTES (4 MiB): `kernel`; a call that small is latency, and the
        kernel path is one launch;
     2. the direct plan's copies (runs consecutive on both sides) average at least
-       `rule.min_copy_bytes` (512 KiB): `direct`, the copy engines straight between the
+       DIRECT_MIN_COPY_BYTES (512 KiB): `direct`, the copy engines straight between the
        pools, no SM and no staging;
-    3. where `rule.auto_stages` (not on GPUs: the H200 measured staging below the kernel
-       path, see StagingRule), the staged plan's copies (runs consecutive on the host)
-       average at least that and its rows are at least `rule.min_row_bytes` (1 KiB):
-       `staged`;
-    4. otherwise `kernel`: short host runs would make the copy engines wait on the
-       host's ~6.5 us per copy, where the kernel path holds 91-94% at any placement.
+    3. where `rule.auto_stages` for the direction (on GPUs: backups, see StagingRule), the
+       staged plan's copies (runs consecutive on the host) average at least
+       `rule.min_copy_bytes` (2 MiB) and its rows are at least `rule.min_row_bytes`
+       (1 KiB): `staged`;
+    4. otherwise `kernel`: short host runs would cost the copy engines ~2.9 us a copy,
+       where the kernel path holds 91-94% at any placement.
     """
 
     io = "auto"
@@ -442,9 +453,9 @@ class AutoMover(Mover):
         for pair in transfer.pairs:
             sizes = run_offsets(transfer.indices, pair, transfer.page_size)[2]
             descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
-        if descriptors and nbytes / descriptors >= self.rule.min_copy_bytes:
+        if descriptors and nbytes / descriptors >= DIRECT_MIN_COPY_BYTES:
             return "direct"
-        if self.rule.auto_stages and self.movers["staged"].carries(transfer, self.rule):
+        if self.rule.auto_stages(transfer.to_device) and self.movers["staged"].carries(transfer, self.rule):
             return "staged"
         return "kernel"
 

@@ -127,7 +127,7 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
         for io in IOS:
             label = f"{name} {io}, {w.placement} host pages"
             for row in [*bench_pool(clock, w, host, io, reps, ceil, "staged", label), back_to_back(clock, w, host, io, reps, ceil, label)]:
-                rows.append(_with_sms(row, backend, host, io, clock.gpu))
+                rows.append(_with_sms(row, backend, host, w, io, clock.gpu))
         if clock.gpu:
             for io in ("kernel", "staged", "auto"):
                 rows.append(both_ways(clock, w, host, io, reps, ceil, name))
@@ -140,12 +140,21 @@ def _labelled(row: Row, name: str) -> Row:
     return row
 
 
-def _with_sms(row: Row, backend, host: pk.AsymmetricHostPool, io: str, gpu: bool) -> Row:
-    """The most SMs (CUs) a call of `io` occupies, and which path auto took."""
+def _with_sms(row: Row, backend, host: pk.AsymmetricHostPool, w: StagedWorkload, io: str, gpu: bool) -> Row:
+    """The most SMs (CUs) a call of `io` in the row's direction occupies, and which path auto
+    (or staged, which falls back where it cannot carry a call) took: one more call tells."""
     taken = io
-    if io == "auto":
-        taken = host._mover("auto").last_choice  # noqa: SLF001 -- the bench reports what auto chose
-        row.extra["auto_took"] = taken
+    if io in ("auto", "staged"):
+        if row.direction == "h2d":
+            host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, 0, io_backend=io)
+        else:
+            host.backup_from_device_all_layer(w.dev, w.host_idx, w.dev_idx, io_backend=io)
+        mover = host._mover(io)  # noqa: SLF001 -- the bench reports the path a call took
+        if io == "auto":
+            taken = row.extra["auto_took"] = mover.last_choice
+            mover = mover.movers["staged"]
+        if taken == "staged":
+            taken = row.extra["staged_took"] = mover.last_path
     if gpu:
         row.grid = {"kernel": getattr(backend, "block_quota", 0), "staged": STAGING_BLOCKS}.get(taken, 0)
         row.extra["sms"] = row.grid

@@ -6,6 +6,7 @@ against a fake HIP runtime (which calls, in which order); the auto rule."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -282,6 +283,7 @@ def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, de
     mover = host._mover("auto")
     # The link rule scaled to this pool's 192-byte K rows: 4 pages a copy.
     mover.rule = staged.StagingRule(min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2)
+    monkeypatch.setattr(staged, "DIRECT_MIN_COPY_BYTES", mover.rule.min_copy_bytes)
     used = []
     for name, sub in mover.movers.items():
         monkeypatch.setattr(sub, "move", lambda t, name=name, move=sub.move: (used.append(name), move(t)))
@@ -291,4 +293,22 @@ def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, de
     for layer in range(2):
         for h, d in zip(host_idx.tolist(), dev_idx.tolist()):
             assert torch.equal(bits(host_row(host.k_buffer, layout, P, h, layer)), bits(dev.k_buffer[layer][d]))
+    host.close()
+
+
+def test_auto_stages_only_the_directions_its_rule_allows(cpu_backend, monkeypatch):
+    """The GPUs' rule stages backups, never loads (measured: staged loads did not beat the
+    kernel path; staged backups did)."""
+    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+    assert staged.LINK_RULE.auto_stages(False) and not staged.LINK_RULE.auto_stages(True)
+    P = 4
+    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="auto")
+    mover = host._mover("auto")
+    mover.rule = replace(staged.LINK_RULE, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2)
+    idx = page_tokens(torch.arange(32), P)
+    host.backup_from_device_all_layer(dev, idx, idx)
+    assert mover.last_choice == "staged" and mover.movers["staged"].last_path == "staged"
+    host.load_to_device_per_layer(dev, idx, idx, 1)
+    assert mover.last_choice == "kernel"
     host.close()

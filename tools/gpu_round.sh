@@ -21,6 +21,13 @@ export PIP_NO_INDEX=1 PIP_FIND_LINKS=$ROOT/.whl
 # This environment's site-packages, and the extra wheels, for the steps below and for a
 # `tox -e cuda` run after the round (tox.ini, HOST_SITE_PACKAGES).
 HOST_SITE_PACKAGES=$(python3 -c 'import site, sys; print(":".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')
+# Debian packages the extra wheels load (Mooncake: libibverbs), unpacked beside the tree and
+# found through LD_LIBRARY_PATH: `dpkg -x` into / would replace /lib's symlink on a merged-/usr
+# system, and the linker (Triton builds its launchers with gcc) would then miss libc.
+if compgen -G ".whl/debs/*.deb" >/dev/null; then
+  for deb in .whl/debs/*.deb; do dpkg -x "$deb" /tmp/pkv-debs; done
+  export LD_LIBRARY_PATH=/tmp/pkv-debs/usr/lib/x86_64-linux-gnu:/tmp/pkv-debs/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 if compgen -G ".whl/extra/*.whl" >/dev/null; then
   python3 -m pip install -q --no-deps --no-compile --no-warn-conflicts --upgrade --target /tmp/pkv-extra .whl/extra/*.whl 2>&1 | grep -v "^WARNING: Running pip as" | tee -a "$LOG"
   HOST_SITE_PACKAGES=/tmp/pkv-extra${HOST_SITE_PACKAGES:+:$HOST_SITE_PACKAGES}

@@ -39,7 +39,7 @@ STAGING_ALIGN = 256
 # toward the end of a load (grow from the start of a backup).  The kernel of a load's
 # last chunk (a backup's first) overlaps no copy, so that chunk sets the pipeline's
 # tail; every chunk boundary inside a run of host pages costs two more copies, and
-# each copy ~2.9 us of copy-engine time on the H200 (docs/PERFORMANCE.md).  TAPER: a
+# each copy 2-3 us of copy-engine time on the H200 (docs/PERFORMANCE.md).  TAPER: a
 # load's chunk may be 3/4 of the one before and still be copied no faster than the
 # kernel (~73 GB/s at 8 blocks) empties the previous one (~53 GB/s over PCIe: 0.73),
 # so the copies never wait for a slot; a backup mirrors it.  TAIL_BYTES: the last

@@ -60,7 +60,7 @@ Memcpy2D = Callable[[int, int, int, int, int, int, int], None]  # dst, dst_pitch
 @dataclass(frozen=True)
 class StagingRule:
     """When staging carries a transfer well.  Copies: each separate copy costs the copy
-    engine ~2.9 us on the H200 (docs/PERFORMANCE.md), so copies averaging 2 MiB (38 us at
+    engine 2-3 us on the H200 (docs/PERFORMANCE.md), so copies averaging 2 MiB (38 us at
     55 GB/s) lose ~7%, where the kernel path holds 91-94%: below that, staging cannot win.
     Rows: 1 KiB rows kept the engine at 54.4 GB/s on the H200; page_head's per-layer rows
     are one head's 256-384 bytes."""
@@ -421,7 +421,7 @@ class AutoMover(Mover):
        staged plan's copies (runs consecutive on the host) average at least
        `rule.min_copy_bytes` (2 MiB) and its rows are at least `rule.min_row_bytes`
        (1 KiB): `staged`;
-    4. otherwise `kernel`: short host runs would cost the copy engines ~2.9 us a copy,
+    4. otherwise `kernel`: short host runs would cost the copy engines 2-3 us a copy,
        where the kernel path holds 91-94% at any placement.
     """
 

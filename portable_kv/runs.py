@@ -135,24 +135,26 @@ def chunk_tokens(tokens: int, token_bytes: int, page_size: int, slot_bytes: int)
 
 def chunk_bounds(tokens: int, token_bytes: int, page_size: int, slot_bytes: int, to_device: bool) -> np.ndarray:
     """Where the chunks of a transfer of `tokens` start and end (positions; 0 first, `tokens`
-    last), each a whole number of pages and at most a full chunk (chunk_tokens): full chunks
-    first, then chunks shrinking by TAPER down to TAIL_BYTES at the end of a load; the same
-    sizes in reverse for a backup.  Empty where not one page fits a slot."""
-    full = chunk_tokens(tokens, token_bytes, page_size, slot_bytes)
+    last), each at most a full chunk (chunk_tokens) and each but the last a whole number of
+    pages: full chunks first, then chunks shrinking by TAPER down to TAIL_BYTES at the end
+    of a load; the same sizes in reverse for a backup.  Empty where not one page fits a slot."""
+    full = chunk_tokens(tokens, token_bytes, page_size, slot_bytes) // page_size  # in pages from here on
     if full == 0:
         return np.zeros(0, np.int64)
-    pages = lambda n: max(page_size, math.ceil(n / page_size) * page_size)  # noqa: E731 -- whole pages, at least one
-    taper, size = [], pages(TAIL_BYTES / token_bytes)
-    while size < full and sum(taper) + size < tokens:
+    pages = -(-tokens // page_size)
+    taper, size = [], max(1, math.ceil(TAIL_BYTES / (token_bytes * page_size)))
+    while size < full and sum(taper) + size < pages:
         taper.append(size)
-        size = pages(size / TAPER)
-    rest = tokens - sum(taper)
+        size = math.ceil(size / TAPER)
+    rest = pages - sum(taper)
     count = -(-rest // full)
-    front = [pages(rest / count)] * (count - 1)
+    front = [-(-rest // count)] * (count - 1)
     sizes = [*front, rest - sum(front), *taper[::-1]]
     if not to_device:
         sizes.reverse()
-    return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    bounds = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64) * page_size
+    bounds[-1] = tokens
+    return bounds
 
 
 def host_runs(host_idx: np.ndarray, bounds: np.ndarray, registration_tokens: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:

@@ -158,16 +158,17 @@ def test_a_plan_fits_its_slot_and_cuts_runs_at_chunks():
 def test_chunks_taper_to_a_small_tail_no_faster_than_the_kernel_keeps_up(page_size, to_device):
     """A load's chunks shrink toward its end (a backup's grow from its start) by no more than
     TAPER a step, down to about TAIL_BYTES: the kernel of the last chunk alone is the tail,
-    and no copy waits for a slot.  Every chunk is whole pages and fits a slot."""
+    and no copy waits for a slot.  Every chunk starts on a page, and a slot holds its pages."""
     token_bytes = (K_TOKEN + V_TOKEN)  # one layer: a per-layer load
     page_bytes = token_bytes * page_size
-    for total in (100e6, 800e6, 3e6, page_bytes):
-        tokens = max(page_size, int(total // page_bytes) * page_size)
+    for total, odd in ((100e6, 0), (800e6, 0), (3e6, 0), (page_bytes, 0), (100e6, page_size // 2), (3e6, page_size - 1)):
+        tokens = max(page_size, int(total // page_bytes) * page_size) + odd  # odd: a token layout's last part page
         for slot in (32 << 20, 4 << 20, page_bytes):
             bounds = runs.chunk_bounds(tokens, token_bytes, page_size, slot, to_device)
             sizes = np.diff(bounds)
             assert bounds[0] == 0 and bounds[-1] == tokens and (sizes > 0).all()
-            assert (sizes % page_size == 0).all() and sizes.max() * token_bytes <= slot
+            assert (bounds[:-1] % page_size == 0).all(), "every chunk starts on a page"
+            assert (-(-sizes // page_size) * page_size * token_bytes <= slot).all(), "a slot holds each chunk's pages"
             order = sizes if to_device else sizes[::-1]  # in the order the pipeline drains them
             full = runs.chunk_tokens(tokens, token_bytes, page_size, slot)
             tail = max(page_size, -(-(runs.TAIL_BYTES // token_bytes) // page_size) * page_size)

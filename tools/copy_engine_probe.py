@@ -1,9 +1,11 @@
 """What the copy engines cost the staged io path, apart from the pipeline: the host-side
 copies of one per-layer load (allocator-placed pages, as the bench places them) as a
 loop of 2-D copies on one stream, K and V on two streams, and round-robin over two or
-three, timed on the device and on the host; then per-layer loads of every io path
+three, timed on the device and on the host; a chunk-by-chunk timeline of one staged
+load beside the kernel as it is, at 32 blocks, with cached device-side writes, a
+device-to-device copy, a sleep and nothing; then per-layer loads of every io path
 issued one at a time from an idle GPU and all layers back to back, as an engine
-issues them.
+issues them.  `--chunks`: full chunks before the taper (runs.PIPELINE_CHUNKS).
 
 Run on an NVIDIA host: python3 tools/copy_engine_probe.py [--page-sizes 64,16] [--json out.json]
 """
@@ -27,7 +29,7 @@ from portable_kv.plan import Transfer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page-sizes", default="64,16")
-    parser.add_argument("--chunks", default="4,16")
+    parser.add_argument("--chunks", default="4,16", help="comma-separated counts of full chunks before the taper")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--host-memory", default="pinned", choices=("pinned", "registered"))
     parser.add_argument("--device-pages", default="random", choices=("random", "ascending"),

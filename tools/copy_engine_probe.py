@@ -17,13 +17,13 @@ import json
 import time
 
 import torch
+from staged_probe import layer_transfer  # a sibling in tools/, on the path when run as a script
 
 from portable_kv import backends, runs
 from portable_kv.bench.measure import Clock, gbps
 from portable_kv.bench.sections import ceiling
 from portable_kv.bench.staged import StagedWorkload
 from portable_kv.bench.workload import Geometry
-from portable_kv.plan import Transfer
 
 
 def main() -> None:
@@ -65,9 +65,7 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
         w.dev_idx = pages[pages[:, 0].argsort()].reshape(-1)
     with w.host_pool("page_first_direct", "staged", args.host_memory) as host:
         mover = host._mover("staged")  # noqa: SLF001 -- a probe takes the path apart
-        binding = host._bind(w.dev, range(0, 1))  # noqa: SLF001
-        indices = host._validator(w.host_idx, w.dev_idx, binding.geometry.tokens, True)  # noqa: SLF001
-        transfer = Transfer(True, binding.pairs, indices, range(0, 1), host.page_size)
+        transfer = layer_transfer(host, w)
         for chunks in map(int, args.chunks.split(",")):
             runs.PIPELINE_CHUNKS = chunks
             mover._plans.clear()  # noqa: SLF001

@@ -72,7 +72,7 @@ def probe_page(clock: Clock, backend, geometry: Geometry, page_size: int, args: 
                 mover.memcpy_2d = (lambda *a: None) if part == "kernel only" else memcpy_2d
                 load_s, load_host = clock.time(load, args.reps)
                 backup_s, backup_host = clock.time(backup, max(3, args.reps // 3), warmup=1)
-                prepared = mover.plan(_transfer(host, w))
+                prepared = mover.plan(layer_transfer(host, w))
                 row = dict(page=page_size, chunks=chunks, blocks=blocks, part=part,
                            copies=prepared.plan.copy_count if prepared else 0, chunk_count=len(prepared.plan.chunks) if prepared else 0,
                            load_gbps=gbps(w.layer_bytes, load_s), load_host_us=load_host * 1e6,
@@ -87,8 +87,8 @@ def probe_page(clock: Clock, backend, geometry: Geometry, page_size: int, args: 
     return rows
 
 
-def _transfer(host, w):
-    """The Transfer of one per-layer load of the workload, as the pool builds it."""
+def layer_transfer(host, w):
+    """The Transfer of one per-layer load of the workload, as the pool builds it (copy_engine_probe.py uses it too)."""
     from portable_kv.plan import Transfer
 
     binding = host._bind(w.dev, range(0, 1))  # noqa: SLF001

@@ -1,21 +1,25 @@
 """What the copy engines cost the staged io path, apart from the pipeline: the host-side
 copies of one per-layer load (allocator-placed pages, as the bench places them) as a
-loop of 2-D copies on one stream, K and V on two streams, and round-robin over two or
-three, timed on the device and on the host; a chunk-by-chunk timeline of one staged
+loop of 2-D copies against one cudaMemcpy3DBatchAsync and a batch per chunk, each way
+and both ways at once, with the host's cost of each call the path makes
+(`--batched-only` stops there); the same copies on one stream, K and V on two streams,
+and round-robin over two or three, timed on the device and on the host; a chunk-by-chunk timeline of one staged
 load beside the kernel as it is, at 32 blocks, with cached device-side writes, a
 device-to-device copy, a sleep and nothing; then per-layer loads of every io path
 issued one at a time from an idle GPU and all layers back to back, as an engine
 issues them.  `--chunks`: full chunks before the taper (runs.PIPELINE_CHUNKS).
 
-Run on an NVIDIA host: python3 tools/copy_engine_probe.py [--page-sizes 64,16] [--json out.json]
+Run on an NVIDIA host (CUDA >= 12.8 for the batched call): python3 tools/copy_engine_probe.py [--page-sizes 64,16] [--batched-only] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 
+import numpy as np
 import torch
 from staged_probe import layer_transfer  # a sibling in tools/, on the path when run as a script
 
@@ -24,6 +28,36 @@ from portable_kv.bench.measure import Clock, gbps
 from portable_kv.bench.sections import ceiling
 from portable_kv.bench.staged import StagedWorkload
 from portable_kv.bench.workload import Geometry
+
+OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
+SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
+PER_THREAD_STREAM = 2  # cudaStreamPerThread: the batched call refuses the legacy default stream
+BATCH_FAILIDX_UNTIL = 13000  # 12.8/12.9 take a failIdx argument before the flags; 13.0 dropped it
+# cudaMemcpy3DBatchOp (CUDA >= 12.8, 112 bytes): two pointer operands (type, then a union at
+# offset 8 whose pointer member is ptr, rowLength, layerHeight, locHint), the extent in
+# elements (bytes between pointers), the source access order and flags.
+BATCH_OP = np.dtype({
+    "names": ["src_type", "src", "src_pitch", "src_height", "dst_type", "dst", "dst_pitch", "dst_height", "width", "height", "depth", "order"],
+    "formats": ["<i4", "<u8", "<u8", "<u8", "<i4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u8", "<i4"],
+    "offsets": [0, 8, 16, 24, 40, 48, 56, 64, 80, 88, 96, 104],
+    "itemsize": 112,
+})
+
+
+def batch_2d(runtime, copies: np.ndarray, stream: int) -> None:
+    """One cudaMemcpy3DBatchAsync of 2-D copies (rows: dst, dst_pitch, src, src_pitch, width, height)."""
+    ops = np.zeros(len(copies), BATCH_OP)
+    ops["src_type"] = ops["dst_type"] = OPERAND_POINTER
+    ops["dst"], ops["dst_pitch"], ops["src"], ops["src_pitch"], ops["width"], ops["height"] = copies.T
+    ops["src_height"] = ops["dst_height"] = ops["height"]
+    ops["depth"], ops["order"] = 1, SRC_ACCESS_ORDER_STREAM
+    args = [ctypes.c_size_t(len(ops)), ctypes.c_void_p(ops.ctypes.data)]
+    if runtime.version < BATCH_FAILIDX_UNTIL:
+        args.append(ctypes.byref(ctypes.c_size_t(0)))
+    args += [ctypes.c_ulonglong(0), ctypes.c_void_p(stream or PER_THREAD_STREAM)]
+    code = runtime.lib.cudaMemcpy3DBatchAsync(*args)
+    if code:
+        raise RuntimeError(f"cudaMemcpy3DBatchAsync: {runtime.error_name(code)}")
 
 
 def main() -> None:
@@ -35,6 +69,7 @@ def main() -> None:
     parser.add_argument("--device-pages", default="random", choices=("random", "ascending"),
                         help="ascending: the device side of each load in address order (the kernel's writes walk memory in order)")
     parser.add_argument("--timeline-only", action="store_true")
+    parser.add_argument("--batched-only", action="store_true", help="only the staged copies as 2-D loops against cudaMemcpy3DBatchAsync")
     parser.add_argument("--json")
     args = parser.parse_args()
     backend = backends.use("cuda")
@@ -80,6 +115,11 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
                         ops.append((base + stagings[i], sps[i], pair.host.data_ptr() + hosts[i], hps[i], widths[i], heights[i]))
             k_copies = sum(ends[-1] for ends in prepared.ends[:1])
             nbytes = sum(o[4] * o[5] for o in ops)
+            batched(clock, backend, prepared, ops, staging, page_size, ceil, rows, args.reps)
+            if page_size == 64:
+                enqueue_costs(clock, backend, ops, rows)
+            if args.batched_only:
+                continue
             stream = torch.cuda.current_stream().cuda_stream
 
             def loop(ops: list = ops, stream: int = stream) -> None:
@@ -115,6 +155,109 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
             for io in ("kernel", "direct", "staged"):
                 back_to_back(clock, w, host, io, page_size, len(prepared.plan.chunks), args.reps, ceil, rows)
     return rows
+
+
+def batched(clock: Clock, backend, prepared, ops: list, staging: torch.Tensor, page_size: int, ceil: dict, rows: list[dict], reps: int) -> None:
+    """The load's copies on a side stream as a loop of 2-D copies, as one batched call
+    (cudaMemcpy3DBatchAsync) and as one batched call per chunk, each way; the batch's
+    bytes against the loop's; then a load's copies and a backup's at once, on two streams."""
+    runtime = backend.runtime
+    chunks = len(prepared.plan.chunks)
+    table = np.array(ops, dtype=np.uint64)  # dst, dst_pitch, src, src_pitch, width, height: host to staging
+    back = table[:, [2, 3, 0, 1, 4, 5]].copy()  # staging to host
+    chunk_of = (table[:, 0] - staging.data_ptr()) // prepared.plan.slot_bytes  # each chunk has its own part of `staging`
+    per_chunk = [np.flatnonzero(chunk_of == c) for c in range(chunks)]
+    nbytes = int((table[:, 4] * table[:, 5]).sum())
+    load_stream, backup_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def on(stream, fn):
+        def run() -> None:
+            stream.wait_stream(torch.cuda.current_stream())
+            fn(stream.cuda_stream)
+            torch.cuda.current_stream().wait_stream(stream)
+        return run
+
+    def loop(t):
+        return lambda handle: [runtime.memcpy_2d(*row, handle) for row in t.tolist()]
+
+    def one_batch(t):
+        return lambda handle: batch_2d(runtime, t, handle)
+
+    def chunked(t):
+        return lambda handle: [batch_2d(runtime, t[part], handle) for part in per_chunk]
+
+    print(f"  batched 2-D copies: runtime {runtime.version}", flush=True)
+    try:
+        staging.zero_()
+        on(load_stream, loop(table))()
+        expect = staging.clone()
+        staging.zero_()
+        on(load_stream, one_batch(table))()
+        torch.cuda.synchronize()
+        print(f"  one 3-D batch: bytes equal to the loop's: {torch.equal(staging, expect)}", flush=True)
+    except RuntimeError as exc:
+        print(f"  one 3-D batch refused: {exc}", flush=True)
+        return
+    for direction, t, stream in (("h2d", table, load_stream), ("d2h", back, backup_stream)):
+        for what, fn in (("2-D copy loop", loop(t)), ("one 3-D batch", one_batch(t)), ("a 3-D batch per chunk", chunked(t))):
+            seconds, host_s = clock.time(on(stream, fn), reps)
+            emit(rows, ceil, page=page_size, chunks=chunks, dir=direction, what=f"copies alone, {what}", copies=len(t),
+                 gbps=gbps(nbytes, seconds), host_us=host_s * 1e6)
+    half, largest = len(table) // 2, int(np.argmax(table[:, 4] * table[:, 5]))
+    cases = (("2-D copy loops", loop, table[:half], back[half:]), ("3-D batches", one_batch, table[:half], back[half:]),
+             # the one largest copy each way: the link with no per-copy cost
+             ("the largest copy alone", loop, table[largest:largest + 1], back[largest:largest + 1]))
+    for what, make, load, backup in cases:
+        loads, backups = make(load), make(backup)
+
+        def both(a=loads, b=backups) -> None:
+            current = torch.cuda.current_stream()
+            load_stream.wait_stream(current)
+            backup_stream.wait_stream(current)
+            a(load_stream.cuda_stream)
+            b(backup_stream.cuda_stream)
+            current.wait_stream(load_stream)
+            current.wait_stream(backup_stream)
+        moved = int((load[:, 4] * load[:, 5]).sum() + (backup[:, 4] * backup[:, 5]).sum())
+        seconds, host_s = clock.time(both, reps)
+        emit(rows, ceil, page=page_size, chunks=chunks, dir="both", what=f"copies alone both ways, {what}", copies=len(load) + len(backup),
+             gbps=gbps(moved, seconds), host_us=host_s * 1e6)
+
+
+def enqueue_costs(clock: Clock, backend, ops: list, rows: list[dict]) -> None:
+    """Host microseconds each call the staged path makes costs, issued back to back: a 2-D
+    copy (4 rows of a load's) on the legacy default stream and on a side stream, four of
+    them as one 3-D batch, an event recorded on one stream and waited on by another through
+    torch and through the runtime's own calls."""
+    runtime, lib = backend.runtime, backend.runtime.lib
+    dst, dp, src, sp, width, height = ops[0]
+    one = (dst, dp, src, sp, width, min(height, 4))
+    side = torch.cuda.Stream()
+    current = torch.cuda.current_stream()
+    event = torch.cuda.Event()
+    event.record(side)  # torch creates the event at its first record
+    four = np.array([one] * 4, dtype=np.uint64)
+    record, wait = lib.cudaEventRecord, lib.cudaStreamWaitEvent
+    handle, side_handle, current_handle = ctypes.c_void_p(event.cuda_event), ctypes.c_void_p(side.cuda_stream), ctypes.c_void_p(current.cuda_stream)
+
+    def torch_events() -> None:
+        event.record(side)
+        current.wait_event(event)
+
+    def runtime_events() -> None:
+        record(handle, side_handle)
+        wait(current_handle, handle, 0)
+
+    costs = {"2-D copy, legacy default stream": lambda: runtime.memcpy_2d(*one, 0),
+             "2-D copy, side stream": lambda: runtime.memcpy_2d(*one, side.cuda_stream),
+             "4 2-D copies, side stream": lambda: [runtime.memcpy_2d(*one, side.cuda_stream) for _ in range(4)],
+             "4 2-D copies as one 3-D batch, side stream": lambda: batch_2d(runtime, four, side.cuda_stream),
+             "event record + wait, torch": torch_events,
+             "event record + wait, cudaEventRecord + cudaStreamWaitEvent": runtime_events}
+    for what, fn in costs.items():
+        us = clock.host_us(fn, 2000, 50)
+        rows.append({"what": f"host cost: {what}", "host_us": us})
+        print(f"  host cost: {what}: {us:.1f} us", flush=True)
 
 
 def timeline(w, host, page_size: int, chunks: int) -> None:

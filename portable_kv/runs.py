@@ -48,10 +48,6 @@ PIPELINE_CHUNKS = 4
 TAPER = 0.75
 TAIL_BYTES = 2 << 20
 MIN_CHUNK_BYTES = 1 << 20
-# A chunk boundary that falls inside a run of host pages moves to the run's start (or
-# the next run's) when one lies within SNAP of the smaller chunk beside it: that run
-# then goes as one copy instead of two, while the taper keeps its shape.
-SNAP = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -161,27 +157,6 @@ def chunk_bounds(tokens: int, token_bytes: int, page_size: int, slot_bytes: int,
     return bounds
 
 
-def snap_to_runs(bounds: np.ndarray, host_idx: np.ndarray, page_size: int) -> np.ndarray:
-    """`bounds` with each inner bound moved to the nearest page-aligned start of a run of
-    consecutive host tokens within SNAP of the smaller chunk beside it, where no chunk
-    then outgrows the largest of `bounds` (what a slot is sized for)."""
-    if bounds.size <= 2:
-        return bounds
-    starts = np.flatnonzero(np.diff(host_idx) != 1) + 1
-    starts = starts[starts % page_size == 0]
-    sizes = np.diff(bounds)
-    largest = int(sizes.max())
-    snapped = bounds.copy()
-    for i in range(1, bounds.size - 1):
-        reach = int(SNAP * min(sizes[i - 1], sizes[i]))
-        lo, hi = max(bounds[i] - reach, snapped[i - 1] + 1), min(bounds[i] + reach, bounds[i + 1] - 1)
-        near = starts[(starts >= lo) & (starts <= hi)]
-        near = near[(near - snapped[i - 1] <= largest) & (bounds[i + 1] - near <= largest)]
-        if near.size:
-            snapped[i] = near[np.argmin(np.abs(near - bounds[i]))]
-    return snapped
-
-
 def host_runs(host_idx: np.ndarray, bounds: np.ndarray, registration_tokens: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Starts (positions) and lengths of runs of consecutive host tokens, cut at the chunk
     `bounds` and, for registered host memory, where a registration of K or of V ends."""
@@ -275,7 +250,6 @@ def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers
     bounds = chunk_bounds(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN, to_device)
     if bounds.size == 0:
         return None
-    bounds = snap_to_runs(bounds, host_idx, page_size)
     starts, lengths = host_runs(host_idx, bounds, tuple(p.registration_tokens for p in pairs))
     if any(page_major) and not whole_pages(host_idx, starts, lengths, page_size):
         return None

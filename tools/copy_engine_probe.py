@@ -70,7 +70,6 @@ def main() -> None:
                         help="ascending: the device side of each load in address order (the kernel's writes walk memory in order)")
     parser.add_argument("--timeline-only", action="store_true")
     parser.add_argument("--batched-only", action="store_true", help="only the staged copies as 2-D loops against cudaMemcpy3DBatchAsync")
-    parser.add_argument("--snap", help="comma-separated runs.SNAP values: only a staged load's copies and its loads at each, alternating")
     parser.add_argument("--json")
     args = parser.parse_args()
     backend = backends.use("cuda")
@@ -102,8 +101,6 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
     with w.host_pool("page_first_direct", "staged", args.host_memory) as host:
         mover = host._mover("staged")  # noqa: SLF001 -- a probe takes the path apart
         transfer = layer_transfer(host, w)
-        if args.snap:
-            return snap_ab(clock, backend, w, host, transfer, page_size, [float(v) for v in args.snap.split(",")], args.reps, ceil)
         for chunks in map(int, args.chunks.split(",")):
             runs.PIPELINE_CHUNKS = chunks
             mover._plans.clear()  # noqa: SLF001
@@ -157,39 +154,6 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
                 continue
             for io in ("kernel", "direct", "staged"):
                 back_to_back(clock, w, host, io, page_size, len(prepared.plan.chunks), args.reps, ceil, rows)
-    return rows
-
-
-def snap_ab(clock: Clock, backend, w, host, transfer, page_size: int, snaps: list[float], reps: int, ceil: dict) -> list[dict]:
-    """Chunk bounds snapped to run starts (runs.SNAP) against not: each value's copies, the
-    copies alone as a 2-D loop, and staged loads one call and back to back; every value
-    twice, alternating, so that a drift of the machine shows as a difference between rounds."""
-    mover = host._mover("staged")  # noqa: SLF001
-    rows: list[dict] = []
-    for round_ in range(2):
-        for snap in snaps:
-            runs.SNAP = snap
-            mover._plans.clear()  # noqa: SLF001
-            prepared = mover.plan(transfer)
-            ops = []
-            staging = torch.empty(prepared.plan.slot_bytes * len(prepared.plan.chunks), dtype=torch.uint8, device=w.dev.device)
-            for pair, offset, (hosts, stagings, widths, heights, hps, sps), ends in zip(
-                    transfer.pairs, prepared.plan.offsets, prepared.copies, prepared.ends):
-                for c in range(len(prepared.plan.chunks)):
-                    base = staging.data_ptr() + c * prepared.plan.slot_bytes + offset
-                    ops += [(base + stagings[i], sps[i], pair.host.data_ptr() + hosts[i], hps[i], widths[i], heights[i]) for i in range(ends[c], ends[c + 1])]
-            stream = torch.cuda.current_stream().cuda_stream
-
-            def loop(ops: list = ops, stream: int = stream) -> None:
-                for row in ops:
-                    backend.runtime.memcpy_2d(*row, stream)
-
-            seconds, host_s = clock.time(loop, reps)
-            emit(rows, ceil, page=page_size, snap=round(snap, 3), round=round_, what="copies alone, 2-D loop", copies=len(ops),
-                 gbps=gbps(prepared.plan.copies[0].bytes + prepared.plan.copies[1].bytes, seconds), host_us=host_s * 1e6)
-            del staging
-            back_to_back(clock, w, host, "staged", page_size, len(prepared.plan.chunks), reps, ceil, rows)
-            rows[-1]["snap"] = rows[-2]["snap"] = round(snap, 3)
     return rows
 
 

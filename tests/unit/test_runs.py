@@ -178,31 +178,6 @@ def test_chunks_taper_to_a_small_tail_no_faster_than_the_kernel_keeps_up(page_si
                 assert (shrink >= runs.TAPER - page_size / order[1:]).all(), "no chunk less than TAPER of the one before"
 
 
-@pytest.mark.parametrize("to_device", [True, False])
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-def test_chunk_bounds_move_to_run_starts_and_save_copies(page_size, to_device):
-    """A bound inside a run moves to a run start within SNAP of the smaller chunk beside it:
-    never more copies than before, bounds still increasing and on pages, no chunk larger
-    than the largest planned one; and over 40 placements of 12 runs, fewer in all."""
-    token_bytes = K_TOKEN + V_TOKEN
-    rng = np.random.default_rng(page_size)
-    saved = 0
-    for _ in range(40):
-        lengths = rng.integers(1, 200 if page_size > 1 else 4000, size=12)  # runs, in pages
-        gaps = rng.integers(1, 50, size=12)  # free pages before each run: runs never touch
-        firsts = np.cumsum(gaps) + np.concatenate(([0], np.cumsum(lengths[:-1])))
-        host_pages = np.concatenate([np.arange(f, f + n) for f, n in zip(firsts, lengths)])
-        host_idx = (host_pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
-        bounds = runs.chunk_bounds(host_idx.size, token_bytes, page_size, 32 << 20, to_device)
-        snapped = runs.snap_to_runs(bounds, host_idx, page_size)
-        assert snapped[0] == 0 and snapped[-1] == host_idx.size and (np.diff(snapped) > 0).all()
-        assert (snapped[:-1] % page_size == 0).all() and np.diff(snapped).max() <= np.diff(bounds).max()
-        before, after = (runs.host_runs(host_idx, b)[0].size for b in (bounds, snapped))
-        assert after <= before
-        saved += before - after
-    assert saved > 0
-
-
 # -- the staged mover on a simulated GPU and against a fake HIP runtime -------------------------
 
 

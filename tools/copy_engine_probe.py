@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import time
 
@@ -28,6 +29,7 @@ from portable_kv.bench.measure import Clock, gbps
 from portable_kv.bench.sections import ceiling
 from portable_kv.bench.staged import StagedWorkload
 from portable_kv.bench.workload import Geometry
+from portable_kv.plan import CopyBatch
 
 OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
@@ -70,6 +72,8 @@ def main() -> None:
                         help="ascending: the device side of each load in address order (the kernel's writes walk memory in order)")
     parser.add_argument("--timeline-only", action="store_true")
     parser.add_argument("--batched-only", action="store_true", help="only the staged copies as 2-D loops against cudaMemcpy3DBatchAsync")
+    parser.add_argument("--descriptors-only", action="store_true",
+                        help="only the staged copies as 2-D loops against 1-D descriptors in cudaMemcpyBatchAsync, page_first_direct and layer_first hosts")
     parser.add_argument("--json")
     args = parser.parse_args()
     backend = backends.use("cuda")
@@ -98,6 +102,11 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
     if args.device_pages == "ascending":
         pages = w.dev_idx.view(-1, page_size)
         w.dev_idx = pages[pages[:, 0].argsort()].reshape(-1)
+    if args.descriptors_only:
+        for layout in ("page_first_direct", "layer_first"):
+            with w.host_pool(layout, "staged", args.host_memory) as host:
+                rows += descriptors(clock, backend, w, host, layout, page_size, args.reps, ceil)
+        return rows
     with w.host_pool("page_first_direct", "staged", args.host_memory) as host:
         mover = host._mover("staged")  # noqa: SLF001 -- a probe takes the path apart
         transfer = layer_transfer(host, w)
@@ -154,6 +163,78 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
                 continue
             for io in ("kernel", "direct", "staged"):
                 back_to_back(clock, w, host, io, page_size, len(prepared.plan.chunks), args.reps, ceil, rows)
+    return rows
+
+
+def descriptors(clock: Clock, backend, w, host, layout: str, page_size: int, reps: int, ceil: dict) -> list[dict]:
+    """A staged load's host-side copies (one per run and chunk, K and V) as the staged path
+    issues them (a loop of 2-D copies on one stream) against the same bytes as 1-D
+    descriptors (each 2-D copy's rows) in cudaMemcpyBatchAsync: all in one call on one
+    stream, spread over 4 streams as the direct path does, and one call per chunk."""
+    runtime = backend.runtime
+    mover = host._mover("staged")  # noqa: SLF001
+    transfer = layer_transfer(host, w)
+    mover._plans.clear()  # noqa: SLF001
+    prepared = mover.plan(transfer)
+    chunks = len(prepared.plan.chunks)
+    staging = torch.empty(prepared.plan.slot_bytes * chunks, dtype=torch.uint8, device=backend.device)
+    ops, chunk_of_op = [], []
+    for pair, offset, (hosts, stagings, widths, heights, hps, sps), ends in zip(
+            transfer.pairs, prepared.plan.offsets, prepared.copies, prepared.ends):
+        for c in range(chunks):
+            base = staging.data_ptr() + c * prepared.plan.slot_bytes + offset
+            for i in range(ends[c], ends[c + 1]):
+                ops.append((base + stagings[i], sps[i], pair.host.data_ptr() + hosts[i], hps[i], widths[i], heights[i]))
+                chunk_of_op.append(c)
+    row_dst = np.concatenate([dst + np.arange(h, dtype=np.uint64) * dp for dst, dp, _, _, _, h in ops]).astype(np.uint64)
+    row_src = np.concatenate([src + np.arange(h, dtype=np.uint64) * sp for _, _, src, sp, _, h in ops]).astype(np.uint64)
+    row_size = np.concatenate([np.full(h, width, np.uint64) for _, _, _, _, width, h in ops])
+    row_chunk = np.concatenate([np.full(op[5], c) for op, c in zip(ops, chunk_of_op)])
+    nbytes = int(row_size.sum())
+    streams = [torch.cuda.Stream() for _ in range(4)]
+
+    def batch(part) -> CopyBatch:
+        return CopyBatch(np.ascontiguousarray(row_dst[part]), np.ascontiguousarray(row_src[part]), np.ascontiguousarray(row_size[part]))
+
+    everything = batch(slice(None))
+    quarters = [batch(part) for part in np.array_split(np.arange(len(row_size)), 4)]
+    per_chunk = [batch(row_chunk == c) for c in range(chunks)]
+
+    def on(used: list, calls: list):
+        def run() -> None:
+            current = torch.cuda.current_stream()
+            for stream in used:
+                stream.wait_stream(current)
+            for stream, call in zip(itertools.cycle(used), calls):
+                call(stream.cuda_stream)
+            for stream in used:
+                current.wait_stream(stream)
+        return run
+
+    def loop_2d(handle: int) -> None:
+        for row in ops:
+            runtime.memcpy_2d(*row, handle)
+
+    def loop_2d_back(handle: int) -> None:
+        for dst, dp, src, sp, width, height in ops:
+            runtime.memcpy_2d(src, sp, dst, dp, width, height, handle)
+
+    def back(b: CopyBatch) -> CopyBatch:
+        return CopyBatch(b.src, b.dst, b.sizes)
+
+    cases = [("h2d", "2-D copies, a loop on one stream", on(streams[:1], [loop_2d])),
+             ("h2d", "1-D descriptors, one batch on one stream", on(streams[:1], [lambda h: runtime.memcpy_batch(everything, h)])),
+             ("h2d", "1-D descriptors, a batch on each of 4 streams", on(streams, [lambda h, b=b: runtime.memcpy_batch(b, h) for b in quarters])),
+             ("h2d", "1-D descriptors, a batch per chunk on one stream", on(streams[:1], [lambda h: [runtime.memcpy_batch(b, h) for b in per_chunk]]))]
+    if len(row_size) <= 4 * len(ops):  # rows few and large: the same copies the other way (a backup's)
+        backs = [back(b) for b in per_chunk]
+        cases += [("d2h", "2-D copies, a loop on one stream", on(streams[:1], [loop_2d_back])),
+                  ("d2h", "1-D descriptors, a batch per chunk on one stream", on(streams[:1], [lambda h: [runtime.memcpy_batch(b, h) for b in backs]]))]
+    rows: list[dict] = []
+    for direction, what, fn in cases:
+        seconds, host_s = clock.time(fn, reps)
+        emit(rows, ceil, page=page_size, layout=layout, chunks=chunks, dir=direction, what=f"copies alone, {what}", copies=len(ops),
+             descriptors=len(row_size), gbps=gbps(nbytes, seconds), host_us=host_s * 1e6)
     return rows
 
 

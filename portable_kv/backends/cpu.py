@@ -15,7 +15,7 @@ from ..plan import Transfer
 from .base import Backend, Mover, MoverFactory
 from .dma import HostCopyMover
 from .kernel_args import WORD_DTYPES
-from .staged import host_memcpy_2d, staged_movers
+from .staged import host_memcpy_2d, host_memcpy_batch, staged_movers
 
 
 class IndexingMover(Mover):
@@ -60,7 +60,8 @@ class CpuBackend(Backend):
 
     def movers(self) -> dict[str, MoverFactory]:
         return {"kernel": IndexingMover, "direct": HostCopyMover,
-                **staged_movers(self.device, IndexingMover, HostCopyMover, IndexingMover, host_memcpy_2d, lambda: 0, indexing_gather=True)}
+                **staged_movers(self.device, IndexingMover, HostCopyMover, IndexingMover, host_memcpy_2d, host_memcpy_batch, lambda: 0,
+                                indexing_gather=True)}
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

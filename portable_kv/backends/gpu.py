@@ -86,7 +86,8 @@ class GpuBackend(Backend):
             return KernelMover(self)
 
         return {"kernel": kernel, "direct": self.runtime.direct_mover,
-                **staged_movers(self.device, kernel, self.runtime.direct_mover, lambda: KernelGather(self), self.runtime.memcpy_2d, self.runtime.current_stream)}
+                **staged_movers(self.device, kernel, self.runtime.direct_mover, lambda: KernelGather(self), self.runtime.memcpy_2d,
+                                self.runtime.memcpy_batch, self.runtime.current_stream)}
 
     def kernels(self) -> dict[int, int]:
         """The copy kernel's entry point per access width, built or found once."""

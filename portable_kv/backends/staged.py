@@ -5,7 +5,10 @@ SM-issued traffic to host memory crosses PCIe in 128-byte TLPs, which bounds the
 kernel path near 93% of the link; the copy engines reach the ceiling, but only
 when fed few, large copies.  The host pool owns its placement, so a transfer's
 host side is a few runs of consecutive pages, each one 1-D or 2-D copy
-(`runs.py`).  The device side (token slots scattered over the engine's pool)
+(`runs.py`); where those copies' rows average 1 MiB or more (a layer_first host's
+per-layer runs, any page layout's all-layer runs) a chunk's rows go as 1-D copies in
+one batched call, which the copy engines run with less time between copies than
+separate 2-D copies.  The device side (token slots scattered over the engine's pool)
 is gathered into, or scattered from, a staging miniature of the host pool in
 device memory by the same copy kernel (`kv_copy.h`, or the Triton one), given
 staging-local token indices and a block quota of 8.  Chunks alternate between
@@ -31,13 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import config
 from ..cache import IdentityCache
 from ..layout import chunking
-from ..plan import IndexPair, TensorPair, Transfer, run_offsets, tensor_pair
-from ..runs import StagedPlan, miniature, plan
+from ..plan import CopyBatch, IndexPair, TensorPair, Transfer, run_offsets, tensor_pair
+from ..runs import Copies, StagedPlan, miniature, plan
 from .base import BadIndexFlag, Mover, MoverFactory
 from .kernel_args import BLOCK, JobTemplate, PreparedLaunch
 
@@ -55,6 +59,7 @@ AUTO_MIN_BYTES = 4 << 20
 DIRECT_MIN_COPY_BYTES = 512 << 10
 
 Memcpy2D = Callable[[int, int, int, int, int, int, int], None]  # dst, dst_pitch, src, src_pitch, width, height, stream
+MemcpyBatch = Callable[[CopyBatch, int], None]  # 1-D copies, stream
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,12 @@ class StagingRule:
 
     min_row_bytes: int = 1024
     min_copy_bytes: int = 2 << 20
+    # Rows of this many bytes on average go as 1-D copies, a chunk's in one batched call
+    # (cudaMemcpyBatchAsync / hipMemcpyBatchAsync), not as separate 2-D copies: on the H200
+    # a layer_first load's 36 copies (2.8 MB each) moved 96.1% of the ceiling so, against
+    # 93.9% as 2-D copies; a page_first_direct load's 96 KB page rows 88.0% against 93.3%
+    # (tools/copy_engine_probe.py --descriptors-only, docs/PERFORMANCE.md).
+    batch_row_bytes: int = 1 << 20
     # Which directions `auto` may stage (loads, backups).  Measured on the H200 against the
     # kernel path in one run (bench --section staged, allocator pages after churn, pages of
     # 64 / 16): staged backups 52.8 / 53.1 GB/s against the kernel's 51.1 / 51.3, with 8 SMs
@@ -81,6 +92,10 @@ class StagingRule:
     def auto_stages(self, to_device: bool) -> bool:
         return self.auto_loads if to_device else self.auto_backups
 
+    def batches(self, staged: StagedPlan) -> bool:
+        rows = sum(int(c.height.sum()) for c in staged.copies)
+        return rows > 0 and sum(c.bytes for c in staged.copies) >= rows * self.batch_row_bytes
+
 
 LINK_RULE = StagingRule(auto_loads=False)
 # The CPU backend models the path to run its planning in CI: it stages whatever staging can carry.
@@ -91,6 +106,12 @@ def host_memcpy_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: in
     """A 2-D copy on the CPU, row by row (the CPU backend's copy engine)."""
     for row in range(height):
         ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+
+
+def host_memcpy_batch(batch: CopyBatch, stream: int) -> None:
+    """1-D copies on the CPU, one by one (the CPU backend's batched copy)."""
+    for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
+        ctypes.memmove(dst, src, size)
 
 
 class DeviceStreams:
@@ -194,6 +215,8 @@ class Prepared:
         self.indices = tuple(IndexPair(torch.arange(len(c), dtype=torch.int64), device[c.start:c.stop]) for c in staged.chunks)
         self._pairs: dict[int, tuple[TensorPair, TensorPair]] = {}
         self._carried: dict[StagingRule, bool] = {}
+        self._batched: dict[StagingRule, bool] = {}
+        self._rows: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...] | None = None
 
     def carried_by(self, rule: StagingRule) -> bool:
         """`rule.carries(self.plan)`, answered once per rule: its numpy reductions cost
@@ -202,6 +225,25 @@ class Prepared:
         if carried is None:
             carried = self._carried[rule] = rule.carries(self.plan)
         return carried
+
+    def batched_by(self, rule: StagingRule) -> bool:
+        """`rule.batches(self.plan)`, answered once per rule."""
+        batched = self._batched.get(rule)
+        if batched is None:
+            batched = self._batched[rule] = rule.batches(self.plan)
+        return batched
+
+    def rows(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The rows of `chunk`'s 2-D copies as 1-D copies, K's then V's: (0 for K and 1
+        for V, host offset without the layer term, offset in the tensor's staging, bytes)."""
+        if self._rows is None:
+            made = []
+            for c in range(len(self.plan.chunks)):
+                parts = [_rows_of(copies, ends[c], ends[c + 1]) for copies, ends in zip(self.plan.copies, self.ends)]
+                made.append((np.repeat(np.arange(2), [p[0].size for p in parts]),
+                             *(np.concatenate([p[n] for p in parts]) for n in range(3))))
+            self._rows = tuple(made)
+        return self._rows[chunk]
 
     def pairs(self, slot: Slot, transfer: Transfer, indexing: bool) -> tuple[TensorPair, TensorPair]:
         """K and V of `slot` as the copy kernel's "host" side: the staging miniatures.
@@ -224,6 +266,15 @@ class Prepared:
                     made.append(replace(pair, host=tensor, strides=strides, chunks=chunking(strides), registration_tokens=0))
             pairs = self._pairs[slot.generation] = (made[0], made[1])
         return pairs
+
+
+def _rows_of(copies: Copies, begin: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(host offsets, staging offsets, bytes) of every row of copies [begin, end)."""
+    heights = copies.height[begin:end]
+    which = np.repeat(np.arange(begin, end), heights)
+    row = np.arange(which.size) - np.repeat(np.cumsum(heights) - heights, heights)
+    return (copies.host[which] + row * copies.host_pitch[which], copies.staging[which] + row * copies.staging_pitch[which],
+            copies.width[which])
 
 
 class KernelGather(Mover):
@@ -286,14 +337,14 @@ class StagedMover(Mover):
 
     io = "staged"
 
-    def __init__(self, device: torch.device, gather: Mover, fallback: MoverFactory, memcpy_2d: Memcpy2D,
+    def __init__(self, device: torch.device, gather: Mover, fallback: MoverFactory, memcpy_2d: Memcpy2D, memcpy_batch: MemcpyBatch,
                  streams: Streams, rule: StagingRule, indexing_gather: bool) -> None:
         super().__init__(device)
         self.device = device
         self.gather, self.fallback = gather, fallback()
         self.parts = (self.gather, self.fallback)
         share_flag(self.bad_index, *self.parts)
-        self.memcpy_2d = memcpy_2d
+        self.memcpy_2d, self.memcpy_batch = memcpy_2d, memcpy_batch
         self.streams = streams
         self.rule = rule
         self.indexing_gather = indexing_gather
@@ -344,12 +395,18 @@ class StagedMover(Mover):
             slots = self._slots[to_device] = [Slot(self.device, nbytes, self.streams) for _ in range(2)]
         return slots
 
+    def _apart(self, prepared: Prepared, current: Any) -> bool:
+        """Whether the copies go on a side stream: where chunks pipeline, and where batched
+        copies would go on the legacy default stream, which the batched calls refuse."""
+        return len(prepared.plan.chunks) > 1 or (prepared.batched_by(self.rule) and self.streams.handle(current) == 0)
+
     def _load(self, transfer: Transfer, prepared: Prepared, slots: list[Slot]) -> None:
         streams = self.streams
         current = streams.current()
         chunks = len(prepared.plan.chunks)
-        copier = current if chunks == 1 else streams.side(current)
-        if chunks > 1:  # the copies start after everything already on the current stream
+        apart = self._apart(prepared, current)
+        copier = streams.side(current) if apart else current
+        if apart:  # the copies start after everything already on the current stream
             start = slots[0].filled  # recorded again below, after this wait is enqueued
             streams.record(start, current)
             streams.wait(copier, start)
@@ -357,7 +414,7 @@ class StagedMover(Mover):
             slot = slots[c % 2]
             streams.wait(copier, slot.free)
             self._copy(transfer, prepared, c, slot, streams.handle(copier))
-            if chunks > 1:
+            if apart:
                 streams.record(slot.filled, copier)
                 streams.wait(current, slot.filled)
             self._gather(transfer, prepared, c, slot)
@@ -367,17 +424,18 @@ class StagedMover(Mover):
         streams = self.streams
         current = streams.current()
         chunks = len(prepared.plan.chunks)
-        copier = current if chunks == 1 else streams.side(current)
+        apart = self._apart(prepared, current)
+        copier = streams.side(current) if apart else current
         for c in range(chunks):
             slot = slots[c % 2]
             streams.wait(current, slot.free)
             self._gather(transfer, prepared, c, slot)
-            if chunks > 1:
+            if apart:
                 streams.record(slot.filled, current)
                 streams.wait(copier, slot.filled)
             self._copy(transfer, prepared, c, slot, streams.handle(copier))
             streams.record(slot.free, copier)
-        if chunks > 1:  # the current stream's next work sees the host pool written
+        if apart:  # the current stream's next work sees the host pool written
             streams.wait(current, slots[(chunks - 1) % 2].free)
 
     def _gather(self, transfer: Transfer, prepared: Prepared, chunk: int, slot: Slot) -> None:
@@ -389,7 +447,17 @@ class StagedMover(Mover):
         self.gather.move(Transfer(transfer.to_device, pairs, prepared.indices[chunk], layers, transfer.page_size))
 
     def _copy(self, transfer: Transfer, prepared: Prepared, chunk: int, slot: Slot, stream: int) -> None:
-        """The host-side copies of one chunk of K and V, between the host pool and `slot`."""
+        """The host-side copies of one chunk of K and V, between the host pool and `slot`:
+        one batched call of their rows where the rule batches the plan, else 2-D copies."""
+        if prepared.batched_by(self.rule):
+            which, host, staging, sizes = prepared.rows(chunk)
+            layer = transfer.layers.start
+            host_bases = np.array([p.host.data_ptr() + layer * p.strides.layer for p in transfer.pairs], np.int64)
+            staging_bases = np.array([slot.address + offset for offset in prepared.plan.offsets], np.int64)
+            host, staging = (host + host_bases[which]).astype(np.uint64), (staging + staging_bases[which]).astype(np.uint64)
+            sizes = sizes.astype(np.uint64)
+            self.memcpy_batch(CopyBatch(staging, host, sizes) if transfer.to_device else CopyBatch(host, staging, sizes), stream)
+            return
         memcpy_2d, to_device = self.memcpy_2d, transfer.to_device
         for pair, offset, (host, staging, width, height, host_pitch, staging_pitch), ends in zip(
                 transfer.pairs, prepared.plan.offsets, prepared.copies, prepared.ends):
@@ -471,19 +539,19 @@ class AutoMover(Mover):
 
 
 def staged_movers(device: torch.device, kernel: MoverFactory, direct: MoverFactory, gather: MoverFactory, memcpy_2d: Memcpy2D,
-           stream_handle: Callable[[], int], indexing_gather: bool = False) -> dict[str, MoverFactory]:
+                  memcpy_batch: MemcpyBatch, stream_handle: Callable[[], int], indexing_gather: bool = False) -> dict[str, MoverFactory]:
     """The `staged` and `auto` entries of a backend's movers(), from its own parts: the
     kernel and direct factories, the gather (a kernel-path mover given staging pairs;
     `indexing_gather`: the CPU oracle, which indexes layout-shaped tensors), the 2-D
-    copy and the current stream's handle.  On a CPU device the path is a model, run
+    copy, the batched 1-D copy and the current stream's handle.  On a CPU device the path is a model, run
     call by call, staging whatever staging can carry."""
     cpu = device.type == "cpu"
 
     def staged() -> StagedMover:
         streams = InlineStreams(stream_handle) if cpu else DeviceStreams(device)
-        return StagedMover(device, gather(), kernel, memcpy_2d, streams, EVERY_PLAN if cpu else LINK_RULE, indexing_gather)
+        return StagedMover(device, gather(), kernel, memcpy_2d, memcpy_batch, streams, EVERY_PLAN if cpu else LINK_RULE, indexing_gather)
 
     return {"staged": staged, "auto": lambda: AutoMover(device, kernel, direct, staged())}
 
 
-__all__ = ["AutoMover", "KernelGather", "StagedMover", "StagingRule", "host_memcpy_2d", "staged_movers"]
+__all__ = ["AutoMover", "KernelGather", "StagedMover", "StagingRule", "host_memcpy_2d", "host_memcpy_batch", "staged_movers"]

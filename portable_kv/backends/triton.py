@@ -24,7 +24,7 @@ from .dma import HostCopyMover
 from .kernel_args import WORD_DTYPES, LayerTable, pair_width
 from .rocm import HipRuntime
 from .runtime import DeviceRuntime
-from .staged import host_memcpy_2d, staged_movers
+from .staged import host_memcpy_2d, host_memcpy_batch, staged_movers
 
 TILE_WORDS = 4096  # words a program moves per step: enough in flight to cover PCIe latency
 LAYER_TABLES_KEPT = 64  # device address tables kept per backend: a few device pools, each pair of K/V
@@ -150,12 +150,14 @@ class TritonBackend(Backend):
 
     def movers(self) -> dict[str, MoverFactory]:
         direct = self.runtime.direct_mover if self.runtime is not None else HostCopyMover
-        memcpy_2d, stream = (self.runtime.memcpy_2d, self.runtime.current_stream) if self.runtime is not None else (host_memcpy_2d, lambda: 0)
+        runtime = self.runtime
+        memcpy_2d, memcpy_batch, stream = ((runtime.memcpy_2d, runtime.memcpy_batch, runtime.current_stream) if runtime is not None
+                                           else (host_memcpy_2d, host_memcpy_batch, lambda: 0))
 
         def kernel() -> TritonMover:
             return TritonMover(self)
 
-        return {"kernel": kernel, "direct": direct, **staged_movers(self.device, kernel, direct, kernel, memcpy_2d, stream)}
+        return {"kernel": kernel, "direct": direct, **staged_movers(self.device, kernel, direct, kernel, memcpy_2d, memcpy_batch, stream)}
 
     def layer_table(self, pair_device: Any) -> LayerTable:
         return self._tables.get(pair_device, lambda: LayerTable(pair_device, self.device))

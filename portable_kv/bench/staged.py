@@ -5,7 +5,8 @@ pages placed at random (the worst case), against the ceiling of the same run.
 Per page size: the allocator's run lengths after churn; per placement and io path a
 per-layer load (H2D) from an idle GPU, per-layer loads of every layer back to back (as
 an engine's load stream issues them) and an all-layer backup (D2H) of page_first_direct
-pages, with the SMs each path occupies and its host time per call; a load and a backup at once;
+pages (and, placed by the allocator, of layer_first pages), with the SMs each path
+occupies and its host time per call; a load and a backup at once;
 on a GPU, a bf16 matmul loop's slowdown while loads run beside it.
 """
 
@@ -30,6 +31,10 @@ from .sections import bench_pool, percent
 from .workload import Geometry, Workload
 
 IOS = ("kernel", "direct", "staged", "auto")
+# Host layouts of the section: page_first_direct (a per-layer run of pages is one 2-D copy,
+# a row a page) and, for allocator-placed pages, layer_first (a per-layer run is one
+# contiguous range, so a chunk's copies go as one batched call of 1-D copies).
+HOST_LAYOUTS = ("page_first_direct", "layer_first")
 HOST_RATIO = 4.0  # host pool : device pool, so that churn leaves the transfer's pages among others
 REQUEST_TOKENS = 4096  # an engine's allocations: prefixes of 1 .. this many tokens, uniform
 FILLS = 4  # churn allocates this many times the pool before the transfer's pages are placed
@@ -123,15 +128,17 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
         own = copy.copy(w)
         own.host_idx = w.peer_host_idx
         rows += [_labelled(r, f"peer: {r.name}, random pages") for r in peers(clock, own, reps, ceil)]
-    with w.host_pool("page_first_direct", "kernel") as host:
-        for io in IOS:
-            label = f"{name} {io}, {w.placement} host pages"
-            for row in [*bench_pool(clock, w, host, io, reps, ceil, "staged", label), back_to_back(clock, w, host, io, reps, ceil, label)]:
-                rows.append(_with_sms(row, backend, host, w, io, clock.gpu))
-        if clock.gpu:
-            for io in ("kernel", "staged", "auto"):
-                rows.append(both_ways(clock, w, host, io, reps, ceil, name))
-            rows += interference(clock, w, host, name)
+    for layout in HOST_LAYOUTS if w.placement == "allocator" else HOST_LAYOUTS[:1]:
+        where = f"{w.placement} host pages" + ("" if layout == HOST_LAYOUTS[0] else f", {layout} host")
+        with w.host_pool(layout, "kernel") as host:
+            for io in IOS:
+                label = f"{name} {io}, {where}"
+                for row in [*bench_pool(clock, w, host, io, reps, ceil, "staged", label), back_to_back(clock, w, host, io, reps, ceil, label)]:
+                    rows.append(_with_sms(row, backend, host, w, io, clock.gpu))
+            if clock.gpu:
+                for io in ("kernel", "staged", "auto"):
+                    rows.append(both_ways(clock, w, host, io, reps, ceil, name, where))
+                rows += interference(clock, w, host, name, where)
     return rows
 
 
@@ -175,7 +182,7 @@ def back_to_back(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, i
                host_s * 1e6 / w.layers)
 
 
-def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str) -> Row:
+def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str, where: str) -> Row:
     """A per-layer load of one half of the pages and a per-layer backup of the other, on two streams."""
     load_idx, backup_idx = w.halves()
     side = torch.cuda.Stream()
@@ -189,11 +196,11 @@ def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: 
 
     seconds, host_s = clock.time(run, reps)
     rate = gbps(2 * load_idx[0].numel() * w.token_layer_bytes, seconds)
-    return Row("staged", f"{name} load {io} + backup {io} at once, {w.placement} host pages", "both", w.page_size, rate,
+    return Row("staged", f"{name} load {io} + backup {io} at once, {where}", "both", w.page_size, rate,
                percent(rate, ceil, "both"), host_s * 1e6)
 
 
-def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, name: str) -> list[Row]:
+def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, name: str, where: str) -> list[Row]:
     """A bf16 matmul loop with per-layer loads interleaved on a side stream, as an engine runs
     layer by layer: the loads' rate and the matmuls' slowdown against the loop alone."""
     n, matmuls = 8192, 40
@@ -218,6 +225,6 @@ def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, n
         t_end.record(side)
         torch.cuda.synchronize()
         busy, moved = m_start.elapsed_time(m_end) / 1e3, t_start.elapsed_time(t_end) / 1e3
-        rows.append(Row("staged", f"{name} {io} load during matmul, interleaved, {w.placement} host pages", "h2d", w.page_size,
+        rows.append(Row("staged", f"{name} {io} load during matmul, interleaved, {where}", "h2d", w.page_size,
                         gbps(calls * w.layer_bytes, moved), extra={"matmul_slowdown_pct": 100 * (busy / alone - 1)}))
     return rows

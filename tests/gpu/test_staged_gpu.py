@@ -8,6 +8,8 @@ check the path, `portable-kv bench --section staged` its speed.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kvspec import bits, page_tokens, randomize
@@ -28,11 +30,15 @@ def gpu(request):
     backends.use(before.name)
 
 
-def pools(layout: str, page_size: int, io: str = "staged", layers: int = 4, pages: int = 64, seed: int = 3):
+# The host-side copies as 2-D copies, and as their rows in one batched call a chunk.
+COPIES = {"2d": staged.EVERY_PLAN, "batched": replace(staged.EVERY_PLAN, batch_row_bytes=0)}
+
+
+def pools(layout: str, page_size: int, io: str = "staged", layers: int = 4, pages: int = 64, seed: int = 3, copies: str = "2d"):
     dev = pk.DeviceKVPool(layers, pages * page_size, page_size, 4, 192, 128, dtype=torch.bfloat16)
     host = pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io)
     if io == "staged":
-        host._mover("staged").rule = staged.EVERY_PLAN
+        host._mover("staged").rule = COPIES[copies]
     gen = torch.Generator().manual_seed(seed)
     for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
         randomize(t, gen)
@@ -55,14 +61,15 @@ def run_ops(dev, host, host_idx, dev_idx) -> list[torch.Tensor]:
     return both_pools_bits(dev, host)
 
 
+@pytest.mark.parametrize("copies", tuple(COPIES))
 @pytest.mark.parametrize("page_size", [64, 16, 1])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_staged_matches_the_oracle(gpu, layout, page_size, monkeypatch):
+def test_staged_matches_the_oracle(gpu, layout, page_size, copies, monkeypatch):
     monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(1 << 20))  # several chunks at every page size
     host_pages = torch.tensor([5, 6, 7, 8, 9, 30, 31, 2, 60, 61, 62, 100])
     host_idx = page_tokens(host_pages, page_size)
     dev_idx = page_tokens(torch.randperm(64, generator=torch.Generator().manual_seed(1))[:12], page_size)
-    dev, host = pools(layout, page_size)
+    dev, host = pools(layout, page_size, copies=copies)
     got = run_ops(dev, host, host_idx, dev_idx.to(dev.device))
     host.close()
     before = backends.current().name
@@ -74,6 +81,24 @@ def test_staged_matches_the_oracle(gpu, layout, page_size, monkeypatch):
         backends.use(before)
     for n, (a, b) in enumerate(zip(got, expected)):
         assert torch.equal(a, b), f"{gpu.name} staged, {layout} page {page_size}: buffer {n} differs from the oracle"
+
+
+@pytest.mark.parametrize("copies", tuple(COPIES))
+def test_one_chunk_on_the_legacy_default_stream(gpu, copies):
+    """One chunk, issued from torch's default stream (handle 0, which the batched copy
+    calls refuse): the copies go on a side stream ordered both ways, the bytes arrive."""
+    assert torch.cuda.current_stream().cuda_stream == 0
+    dev, host = pools("layer_first", 16, copies=copies)
+    host_idx, dev_idx = page_tokens(torch.arange(3, 11), 16), page_tokens(torch.randperm(64)[:8], 16).to(dev.device)
+    expected = [bits(dev.k_buffer[1][dev_idx]), bits(dev.v_buffer[1][dev_idx])]
+    host.backup_from_device_per_layer(dev, host_idx, dev_idx, 1)
+    dev.k_buffer[1].zero_()
+    dev.v_buffer[1].zero_()
+    host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)
+    torch.cuda.synchronize()
+    assert host._mover("staged").last_path == "staged"  # 330 KB a layer: one chunk (runs.MIN_CHUNK_BYTES)
+    assert torch.equal(bits(dev.k_buffer[1][dev_idx]), expected[0]) and torch.equal(bits(dev.v_buffer[1][dev_idx]), expected[1])
+    host.close()
 
 
 def test_many_chunks_over_two_slots(gpu, monkeypatch):

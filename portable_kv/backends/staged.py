@@ -74,23 +74,27 @@ class StagingRule:
     min_copy_bytes: int = 2 << 20
     # Rows of this many bytes on average go as 1-D copies, a chunk's in one batched call
     # (cudaMemcpyBatchAsync / hipMemcpyBatchAsync), not as separate 2-D copies: on the H200
-    # a layer_first load's 36 copies (2.8 MB each) moved 96.1% of the ceiling so, against
-    # 93.9% as 2-D copies; a page_first_direct load's 96 KB page rows 88.0% against 93.3%
-    # (tools/copy_engine_probe.py --descriptors-only, docs/PERFORMANCE.md).
+    # a layer_first load's 36 copies (2.8 MB each) moved 97.5-98.2% of the ceiling so,
+    # against 94.4-95.3% as 2-D copies; a page_first_direct load's 96 KB page rows 88.9%
+    # against 92.9% (tools/copy_engine_probe.py --descriptors-only, docs/PERFORMANCE.md).
     batch_row_bytes: int = 1 << 20
-    # Which directions `auto` may stage (loads, backups).  Measured on the H200 against the
-    # kernel path in one run (bench --section staged, allocator pages after churn, pages of
-    # 64 / 16): staged backups 52.8 / 53.1 GB/s against the kernel's 51.1 / 51.3, with 8 SMs
-    # against 16; staged loads 47.3 / 45.4 against 47.6 / 47.7 (49.8 / 48.8 against 50.0 /
-    # 50.0 back to back), so `auto` stages backups only (docs/PERFORMANCE.md).
+    # Which transfers `auto` may stage: loads whose copies go as 2-D copies (a
+    # page_first_direct host's), loads whose copies are batched, backups.  Measured on the
+    # H200 against the kernel path in one run (bench --section staged, allocator pages
+    # after churn, pages of 64 / 16 / 1, back to back): 2-D loads 91.5 / 89.1 / 91.4%
+    # against 90.8 / 91.1 / 91.3%; batched loads (layer_first) 94.6 / 94.7 / 94.1% against
+    # 91.6 / 91.8 / 91.3%; backups 96.8-98.0% against 93.3-93.7%, with 8 SMs against 16.
     auto_loads: bool = True
+    auto_batched_loads: bool = True
     auto_backups: bool = True
 
     def carries(self, staged: StagedPlan) -> bool:
         return staged.copy_count == 0 or (staged.min_width >= self.min_row_bytes and staged.mean_copy_bytes >= self.min_copy_bytes)
 
-    def auto_stages(self, to_device: bool) -> bool:
-        return self.auto_loads if to_device else self.auto_backups
+    def auto_stages(self, to_device: bool, batched: bool) -> bool:
+        if not to_device:
+            return self.auto_backups
+        return self.auto_batched_loads if batched else self.auto_loads
 
     def batches(self, staged: StagedPlan) -> bool:
         rows = sum(int(c.height.sum()) for c in staged.copies)
@@ -485,10 +489,10 @@ class AutoMover(Mover):
     2. the direct plan's copies (runs consecutive on both sides) average at least
        DIRECT_MIN_COPY_BYTES (512 KiB): `direct`, the copy engines straight between the
        pools, no SM and no staging;
-    3. where `rule.auto_stages` for the direction (on GPUs: backups, see StagingRule), the
-       staged plan's copies (runs consecutive on the host) average at least
-       `rule.min_copy_bytes` (2 MiB) and its rows are at least `rule.min_row_bytes`
-       (1 KiB): `staged`;
+    3. where the staged plan's copies (runs consecutive on the host) average at least
+       `rule.min_copy_bytes` (2 MiB), its rows are at least `rule.min_row_bytes` (1 KiB),
+       and `rule.auto_stages` the transfer (on GPUs: backups, and loads whose copies go
+       as one batched call a chunk, see StagingRule): `staged`;
     4. otherwise `kernel`: short host runs would cost the copy engines 2-3 us a copy,
        where the kernel path holds 91-94% at any placement.
     """
@@ -523,7 +527,9 @@ class AutoMover(Mover):
             descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
         if descriptors and nbytes / descriptors >= DIRECT_MIN_COPY_BYTES:
             return "direct"
-        if self.rule.auto_stages(transfer.to_device) and self.movers["staged"].carries(transfer, self.rule):
+        prepared = self.movers["staged"].plan(transfer)
+        if (prepared is not None and prepared.carried_by(self.rule)
+                and self.rule.auto_stages(transfer.to_device, prepared.batched_by(self.rule))):
             return "staged"
         return "kernel"
 

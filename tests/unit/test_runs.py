@@ -297,19 +297,24 @@ def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, de
     host.close()
 
 
-def test_auto_stages_only_the_directions_its_rule_allows(cpu_backend, monkeypatch):
-    """The GPUs' rule stages backups, never loads (measured: staged loads did not beat the
-    kernel path; staged backups did)."""
+def test_auto_stages_only_the_transfers_its_rule_allows(cpu_backend, monkeypatch):
+    """The GPUs' rule stages backups, and loads only where their copies are batched
+    (measured: staged loads as 2-D copies did not beat the kernel path; batched ones and
+    staged backups did)."""
     monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
-    assert staged.LINK_RULE.auto_stages(False) and not staged.LINK_RULE.auto_stages(True)
+    rule = staged.LINK_RULE
+    assert rule.auto_stages(False, False) and rule.auto_stages(True, True) and not rule.auto_stages(True, False)
     P = 4
     dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
-    host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="auto")
-    mover = host._mover("auto")
-    mover.rule = replace(staged.LINK_RULE, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2)
     idx = page_tokens(torch.arange(32), P)
-    host.backup_from_device_all_layer(dev, idx, idx)
-    assert mover.last_choice == "staged" and mover.movers["staged"].last_path == "staged"
-    host.load_to_device_per_layer(dev, idx, idx, 1)
-    assert mover.last_choice == "kernel"
-    host.close()
+    # Rows of 192 bytes (a page_first_direct page of one layer): 2-D copies.  A layer_first
+    # host's per-layer run is one row of 32 pages: batched, at rows of 1 KiB scaled down.
+    for layout, loads in (("page_first_direct", "kernel"), ("layer_first", "staged")):
+        host = pk.AsymmetricHostPool(dev, layout=layout, io_backend="auto")
+        mover = host._mover("auto")
+        mover.rule = replace(rule, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2, batch_row_bytes=1024)
+        host.backup_from_device_all_layer(dev, idx, idx)
+        assert mover.last_choice == "staged" and mover.movers["staged"].last_path == "staged"
+        host.load_to_device_per_layer(dev, idx, idx, 1)
+        assert mover.last_choice == loads, layout
+        host.close()

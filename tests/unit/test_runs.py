@@ -250,6 +250,24 @@ def test_rocm_staged_issues_2d_copies_then_the_kernel_and_mirrored(fake_rocm, mo
     host.close()
 
 
+def test_rocm_staged_batches_the_copies_of_long_rows(fake_rocm):
+    """A layer_first host's per-layer run of 4096 tokens is one row a chunk (~1.5 MiB of K,
+    ~1 MiB of V): each chunk's copies go as one hipMemcpyBatchAsync of its K and V rows,
+    then the kernel."""
+    _, lib = fake_rocm
+    P = 16
+    dev = pk.DeviceKVPool(2, 4096, P, 4, 192, 128, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="staged")
+    host_idx, dev_idx = torch.arange(4096), page_tokens(torch.randperm(256), P)
+    host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)
+    calls = [(name, args) for name, args in lib.calls if name != "hipSetDevice"]
+    names = [name for name, _ in calls]
+    chunks = names.count("hipModuleLaunchKernel")
+    assert chunks > 1 and names == ["hipMemcpyBatchAsync", "hipModuleLaunchKernel"] * chunks
+    assert all(args[3] == 2 and args[-1] == STREAM for name, args in calls if name == "hipMemcpyBatchAsync"), "K's row and V's, on the stream"
+    host.close()
+
+
 def test_cuda_and_hip_2d_copies_are_twins():
     for runtime, name in ((cuda.CudaRuntime(lib=FakeLib(13000, CUDART_SYMBOLS)), "cudaMemcpy2DAsync"),
                           (rocm.HipRuntime(lib=FakeLib(70200000, HIP_SYMBOLS)), "hipMemcpy2DAsync")):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import random
 import statistics
+import threading
 from collections import deque
 
 import torch
@@ -138,6 +139,7 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
             if clock.gpu:
                 for io in ("kernel", "staged", "auto"):
                     rows.append(both_ways(clock, w, host, io, reps, ceil, name, where))
+                    rows.append(both_ways_threads(clock, w, host, io, reps, ceil, name, where))
                 rows += interference(clock, w, host, name, where)
     return rows
 
@@ -197,6 +199,58 @@ def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: 
     seconds, host_s = clock.time(run, reps)
     rate = gbps(2 * load_idx[0].numel() * w.token_layer_bytes, seconds)
     return Row("staged", f"{name} load {io} + backup {io} at once, {where}", "both", w.page_size, rate,
+               percent(rate, ceil, "both"), host_s * 1e6)
+
+
+def both_ways_threads(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str,
+                      where: str) -> Row:
+    """both_ways with the load and the backup issued from two threads, each on its own
+    stream, as an engine's load and write threads issue them (SGLang's cache controller):
+    one call's host time no longer delays the other's start."""
+    load_idx, backup_idx = w.halves()
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    calls = (lambda: host.load_to_device_per_layer(w.dev, *load_idx, 0, io_backend=io),
+             lambda: host.backup_from_device_per_layer(w.dev, *backup_idx, 1, io_backend=io))
+    # Both threads start a call together; the caller goes on once both have issued theirs.
+    go = [threading.Barrier(3, timeout=60) for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        with torch.cuda.stream(streams[n]):
+            try:
+                while True:
+                    go[0].wait()
+                    try:
+                        calls[n]()
+                    except BaseException as exc:  # noqa: BLE001 -- raised again by the caller
+                        errors.append(exc)
+                    go[1].wait()
+            except threading.BrokenBarrierError:  # the caller is done (or gave up waiting)
+                return
+
+    def run() -> None:
+        current = torch.cuda.current_stream()
+        for stream in streams:
+            stream.wait_stream(current)
+        go[0].wait()
+        go[1].wait()
+        if errors:
+            raise errors[0]
+        for stream in streams:
+            current.wait_stream(stream)
+
+    threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        seconds, host_s = clock.time(run, reps)
+    finally:
+        for barrier in go:
+            barrier.abort()  # waiting threads wake with BrokenBarrierError and end
+        for thread in threads:
+            thread.join(timeout=10)
+    rate = gbps(2 * load_idx[0].numel() * w.token_layer_bytes, seconds)
+    return Row("staged", f"{name} load {io} + backup {io} at once from two threads, {where}", "both", w.page_size, rate,
                percent(rate, ceil, "both"), host_s * 1e6)
 
 

@@ -2,7 +2,9 @@
 copies of one per-layer load (allocator-placed pages, as the bench places them) as a
 loop of 2-D copies against one cudaMemcpy3DBatchAsync and a batch per chunk, each way
 and both ways at once, with the host's cost of each call the path makes
-(`--batched-only` stops there); the same copies on one stream, K and V on two streams,
+(`--batched-only` stops there); with `--descriptors-only`, only the same copies as
+2-D copies against their rows as 1-D copies in cudaMemcpyBatchAsync, for a
+page_first_direct and a layer_first host; the same copies on one stream, K and V on two streams,
 and round-robin over two or three, timed on the device and on the host; a chunk-by-chunk timeline of one staged
 load beside the kernel as it is, at 32 blocks, with cached device-side writes, a
 device-to-device copy, a sleep and nothing; then per-layer loads of every io path

@@ -74,6 +74,7 @@ def main() -> None:
                         help="ascending: the device side of each load in address order (the kernel's writes walk memory in order)")
     parser.add_argument("--timeline-only", action="store_true")
     parser.add_argument("--batched-only", action="store_true", help="only the staged copies as 2-D loops against cudaMemcpy3DBatchAsync")
+    parser.add_argument("--tail", help="comma-separated runs.TAIL_BYTES values: only staged loads from a layer_first host at each, alternating")
     parser.add_argument("--descriptors-only", action="store_true",
                         help="only the staged copies as 2-D loops against 1-D descriptors in cudaMemcpyBatchAsync, page_first_direct and layer_first hosts")
     parser.add_argument("--json")
@@ -104,6 +105,10 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
     if args.device_pages == "ascending":
         pages = w.dev_idx.view(-1, page_size)
         w.dev_idx = pages[pages[:, 0].argsort()].reshape(-1)
+    if args.tail:
+        with w.host_pool("layer_first", "staged", args.host_memory) as host:
+            rows += tail_ab(clock, w, host, page_size, [int(v) for v in args.tail.split(",")], args.reps, ceil)
+        return rows
     if args.descriptors_only:
         for layout in ("page_first_direct", "layer_first"):
             with w.host_pool(layout, "staged", args.host_memory) as host:
@@ -165,6 +170,23 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
                 continue
             for io in ("kernel", "direct", "staged"):
                 back_to_back(clock, w, host, io, page_size, len(prepared.plan.chunks), args.reps, ceil, rows)
+    return rows
+
+
+def tail_ab(clock: Clock, w, host, page_size: int, tails: list[int], reps: int, ceil: dict) -> list[dict]:
+    """The last chunk's size (runs.TAIL_BYTES): staged loads one call and back to back at each,
+    every value twice, alternating, so that a drift of the machine shows between rounds."""
+    mover = host._mover("staged")  # noqa: SLF001
+    transfer = layer_transfer(host, w)
+    rows: list[dict] = []
+    for _ in range(2):
+        for tail in tails:
+            runs.TAIL_BYTES = tail
+            mover._plans.clear()  # noqa: SLF001
+            prepared = mover.plan(transfer)
+            print(f"  tail {tail >> 10} KiB: {len(prepared.plan.chunks)} chunks, {prepared.plan.copy_count} copies", flush=True)
+            back_to_back(clock, w, host, "staged", page_size, len(prepared.plan.chunks), reps, ceil, rows)
+            rows[-1]["tail"] = rows[-2]["tail"] = tail
     return rows
 
 

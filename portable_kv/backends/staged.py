@@ -371,11 +371,6 @@ class StagedMover(Mover):
             prepared = self._plans.store(key, _NO_PLAN if staged is None else Prepared(staged, transfer), stamp)
         return None if prepared is _NO_PLAN else prepared
 
-    def carries(self, transfer: Transfer, rule: StagingRule | None = None) -> bool:
-        """Whether `transfer` goes through staging under `rule` (default: this mover's own)."""
-        prepared = self.plan(transfer)
-        return prepared is not None and prepared.carried_by(rule or self.rule)
-
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
         prepared = self.plan(transfer)

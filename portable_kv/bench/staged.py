@@ -140,6 +140,11 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
                 for io in ("kernel", "staged", "auto"):
                     rows.append(both_ways(clock, w, host, io, reps, ceil, name, where))
                     rows.append(both_ways_threads(clock, w, host, io, reps, ceil, name, where))
+                # auto with the backup issued first (a load that would stage then sees it
+                # running and takes the kernel path), and the pairings auto chooses between
+                rows.append(both_ways(clock, w, host, "auto", reps, ceil, name, where, backup_first=True))
+                rows.append(both_ways(clock, w, host, "kernel", reps, ceil, name, where, backup_io="staged"))
+                rows.append(both_ways(clock, w, host, "staged", reps, ceil, name, where, backup_io="kernel"))
                 rows += interference(clock, w, host, name, where)
     return rows
 
@@ -184,21 +189,32 @@ def back_to_back(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, i
                host_s * 1e6 / w.layers)
 
 
-def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str, where: str) -> Row:
-    """A per-layer load of one half of the pages and a per-layer backup of the other, on two streams."""
+def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str, where: str,
+              backup_io: str | None = None, backup_first: bool = False) -> Row:
+    """A per-layer load of one half of the pages and a per-layer backup of the other, on two
+    streams; the load through `io`, the backup through `backup_io` (default: the same),
+    the load issued first unless `backup_first`."""
     load_idx, backup_idx = w.halves()
+    backup_io = backup_io or io
     side = torch.cuda.Stream()
+
+    def load() -> None:
+        host.load_to_device_per_layer(w.dev, *load_idx, 0, io_backend=io)
+
+    def backup() -> None:
+        with torch.cuda.stream(side):
+            host.backup_from_device_per_layer(w.dev, *backup_idx, 1, io_backend=backup_io)
 
     def run() -> None:
         side.wait_stream(torch.cuda.current_stream())
-        host.load_to_device_per_layer(w.dev, *load_idx, 0, io_backend=io)
-        with torch.cuda.stream(side):
-            host.backup_from_device_per_layer(w.dev, *backup_idx, 1, io_backend=io)
+        for call in (backup, load) if backup_first else (load, backup):
+            call()
         torch.cuda.current_stream().wait_stream(side)
 
     seconds, host_s = clock.time(run, reps)
     rate = gbps(2 * load_idx[0].numel() * w.token_layer_bytes, seconds)
-    return Row("staged", f"{name} load {io} + backup {io} at once, {where}", "both", w.page_size, rate,
+    order = ", the backup issued first" if backup_first else ""
+    return Row("staged", f"{name} load {io} + backup {backup_io} at once{order}, {where}", "both", w.page_size, rate,
                percent(rate, ceil, "both"), host_s * 1e6)
 
 

@@ -268,6 +268,40 @@ def test_rocm_staged_batches_the_copies_of_long_rows(fake_rocm):
     host.close()
 
 
+def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backend, monkeypatch):
+    """A load that auto would stage takes the kernel path while the pool's latest staged
+    backup has not completed (its event not done), and stages again once it has."""
+    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+
+    class Streams(staged.InlineStreams):  # a GPU's events, whose completion the test decides
+        running = False
+
+        def event(self) -> object:
+            return object()
+
+        def done(self, event: object) -> bool:
+            return not self.running
+
+    P = 4
+    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    idx = page_tokens(torch.arange(32), P)
+    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="auto")
+    mover = host._mover("auto")
+    mover.rule = replace(staged.LINK_RULE, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2, batch_row_bytes=1024)
+    streams = mover.movers["staged"].streams = Streams(lambda: 0)
+    host.load_to_device_per_layer(dev, idx, idx, 1)
+    assert mover.last_choice == "staged", "no backup yet"
+    streams.running = True
+    host.backup_from_device_all_layer(dev, idx, idx)
+    assert mover.last_choice == "staged"
+    host.load_to_device_per_layer(dev, idx, idx, 1)
+    assert mover.last_choice == "kernel", "the backup still runs"
+    streams.running = False
+    host.load_to_device_per_layer(dev, idx, idx, 1)
+    assert mover.last_choice == "staged", "the backup is done"
+    host.close()
+
+
 def test_cuda_and_hip_2d_copies_are_twins():
     for runtime, name in ((cuda.CudaRuntime(lib=FakeLib(13000, CUDART_SYMBOLS)), "cudaMemcpy2DAsync"),
                           (rocm.HipRuntime(lib=FakeLib(70200000, HIP_SYMBOLS)), "hipMemcpy2DAsync")):

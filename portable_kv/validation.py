@@ -72,6 +72,9 @@ def _owned_int64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
 
 
+_DIRECTIONS = {True: object(), False: object()}  # loads, backups
+
+
 def _stamp(host_indices: torch.Tensor, device_indices: torch.Tensor, device_tokens: int, to_device: bool) -> tuple:
     return host_indices._version, device_indices._version, device_tokens, to_device
 
@@ -122,7 +125,9 @@ class IndexValidator:
         self._kept: IdentityCache[ValidatedPair] = IdentityCache(VALIDATED_KEPT)
 
     def __call__(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
-        tensors = (host_indices, device_indices)
+        # The direction is part of the key, not only of the stamp: a load and a backup of
+        # the same tensors are kept side by side, and the plans kept for their pair with them.
+        tensors = (host_indices, device_indices, _DIRECTIONS[to_device])
         if type(host_indices) is torch.Tensor and type(device_indices) is torch.Tensor:
             kept = self._kept.lookup(tensors, _stamp(host_indices, device_indices, device_tokens, to_device))
             if kept is not None and kept.unchanged(host_indices, device_indices):

@@ -335,6 +335,13 @@ def share_flag(flag: BadIndexFlag, *movers: Mover) -> None:
 
 
 _NO_PLAN: Any = object()  # a kept answer: staging cannot carry this transfer
+# Part of a kept plan's (or choice's) key: a load and a backup of the same indices, or
+# one layer and all of them, are kept side by side, not in turn (each plan costs ~10 ms).
+_KINDS = {(to_device, one_layer): object() for to_device in (True, False) for one_layer in (True, False)}
+
+
+def _kind(transfer: Transfer) -> object:
+    return _KINDS[transfer.to_device, len(transfer.layers) == 1]
 
 
 class StagedMover(Mover):
@@ -368,7 +375,7 @@ class StagedMover(Mover):
 
     def plan(self, transfer: Transfer) -> Prepared | None:
         """The staged plan of `transfer` (kept for its pools and indices), or None where staging cannot carry it."""
-        key = (transfer.pairs, transfer.indices)
+        key = (transfer.pairs, transfer.indices, _kind(transfer))
         stamp = (transfer.to_device, len(transfer.layers), transfer.layers.start if len(transfer.layers) > 1 else 0, self.staging_bytes)
         prepared = self._plans.lookup(key, stamp)
         if prepared is None:
@@ -519,7 +526,7 @@ class AutoMover(Mover):
 
     def choice(self, transfer: Transfer) -> str:
         """The io path this mover takes for `transfer`: "kernel", "direct" or "staged"."""
-        key = (transfer.pairs, transfer.indices)
+        key = (transfer.pairs, transfer.indices, _kind(transfer))
         stamp = (transfer.to_device, len(transfer.layers), self.movers["staged"].staging_bytes, self.rule)
         chosen = self._choices.lookup(key, stamp)
         if chosen is None:

@@ -302,6 +302,26 @@ def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backe
     host.close()
 
 
+@pytest.mark.parametrize("io", ["staged", "auto"])
+def test_loads_and_backups_of_the_same_indices_keep_their_plans_side_by_side(cpu_backend, monkeypatch, io):
+    """A load, a backup and a per-layer load of the same indices each plan once (a plan costs
+    ~10 ms of host time on a 100 MB transfer), however they alternate."""
+    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+    made = []
+    real_plan = staged.plan
+    monkeypatch.setattr(staged, "plan", lambda *a, **k: made.append(a[-1]) or real_plan(*a, **k))
+    P = 4
+    dev = pk.DeviceKVPool(3, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    idx = page_tokens(torch.arange(32), P)
+    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend=io)
+    for _ in range(3):
+        host.load_to_device_all_layer(dev, idx, idx)
+        host.backup_from_device_all_layer(dev, idx, idx)
+        host.load_to_device_per_layer(dev, idx, idx, 1)
+    assert sorted(made) == [False, True, True], "one plan each: all-layer load, backup, per-layer load"
+    host.close()
+
+
 def test_cuda_and_hip_2d_copies_are_twins():
     for runtime, name in ((cuda.CudaRuntime(lib=FakeLib(13000, CUDART_SYMBOLS)), "cudaMemcpy2DAsync"),
                           (rocm.HipRuntime(lib=FakeLib(70200000, HIP_SYMBOLS)), "hipMemcpy2DAsync")):

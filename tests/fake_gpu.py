@@ -22,6 +22,11 @@ from portable_kv.backends.runtime import DeviceRuntime
 from portable_kv.plan import CopyBatch
 
 
+def pkv_div(n: int, magic: int, shift: int) -> int:
+    """kv_copy.h's pkv_div: a 64-bit multiply-high, an add and a shift."""
+    return (((n * magic) >> 64) + n) % (1 << 64) >> shift
+
+
 def run_kernel_model(params: int, width: int) -> None:
     """What every thread of pkv_copy_<width> does, for every vector of the flat space."""
     args = CopyArgs.from_address(ctypes.c_void_p.from_address(params).value)
@@ -31,16 +36,19 @@ def run_kernel_model(params: int, width: int) -> None:
         t = args.job[1 if v >= args.job[1].vec_begin else 0]
         per_chunk = t.chunk_bytes // width
         local = v - t.vec_begin
-        item, byte = divmod(local, per_chunk)
-        byte *= width
-        item, group = divmod(item, t.groups)
-        layer, i = divmod(item, args.tokens)
+        item = pkv_div(local, t.chunk_vecs_magic, t.chunk_vecs_shift)
+        byte = (local - item * per_chunk) * width
+        token_item = pkv_div(item, t.groups_magic, t.groups_shift)
+        group = item - token_item * t.groups
+        layer = pkv_div(token_item, args.tokens_magic, args.tokens_shift)
+        i = token_item - layer * args.tokens
         layer += args.layer_begin
         ht, dt = int(host_idx[i]), int(dev_idx[i])
         if not (0 <= ht < t.host_tokens and 0 <= dt < t.device_tokens):
             ctypes.c_int32.from_address(args.error_flag).value = 1
             continue
-        host = t.host_base + (ht // args.page_size) * t.host_page + (ht % args.page_size) * t.host_token + layer * t.host_layer + group * t.host_group + byte
+        page = pkv_div(ht, args.page_magic, args.page_shift)
+        host = t.host_base + page * t.host_page + (ht - page * args.page_size) * t.host_token + layer * t.host_layer + group * t.host_group + byte
         base = ctypes.c_uint64.from_address(t.device_layers + 8 * layer).value
         dev = base + dt * t.device_token + group * t.device_group + byte
         src, dst = (host, dev) if args.to_device else (dev, host)

@@ -74,7 +74,9 @@ def main() -> None:
                         help="ascending: the device side of each load in address order (the kernel's writes walk memory in order)")
     parser.add_argument("--timeline-only", action="store_true")
     parser.add_argument("--batched-only", action="store_true", help="only the staged copies as 2-D loops against cudaMemcpy3DBatchAsync")
-    parser.add_argument("--tail", help="comma-separated runs.TAIL_BYTES values: only staged loads from a layer_first host at each, alternating")
+    parser.add_argument("--tail", help="comma-separated runs.TAIL_BYTES values: only staged loads and backups of a layer_first host at each, alternating")
+    parser.add_argument("--taper", help="comma-separated runs.TAPER values, as --tail")
+    parser.add_argument("--blocks", help="comma-separated block quotas of the kernel between staging and the KV buffers, as --tail")
     parser.add_argument("--descriptors-only", action="store_true",
                         help="only the staged copies as 2-D loops against 1-D descriptors in cudaMemcpyBatchAsync, page_first_direct and layer_first hosts")
     parser.add_argument("--json")
@@ -105,9 +107,11 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
     if args.device_pages == "ascending":
         pages = w.dev_idx.view(-1, page_size)
         w.dev_idx = pages[pages[:, 0].argsort()].reshape(-1)
-    if args.tail:
-        with w.host_pool("layer_first", "staged", args.host_memory) as host:
-            rows += tail_ab(clock, w, host, page_size, [int(v) for v in args.tail.split(",")], args.reps, ceil)
+    for setting in ("tail", "taper", "blocks"):
+        if getattr(args, setting):
+            with w.host_pool("layer_first", "staged", args.host_memory) as host:
+                rows += setting_ab(clock, w, host, page_size, setting, [float(v) for v in getattr(args, setting).split(",")], args.reps, ceil)
+    if args.tail or args.taper or args.blocks:
         return rows
     if args.descriptors_only:
         for layout in ("page_first_direct", "layer_first"):
@@ -173,20 +177,30 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
     return rows
 
 
-def tail_ab(clock: Clock, w, host, page_size: int, tails: list[int], reps: int, ceil: dict) -> list[dict]:
-    """The last chunk's size (runs.TAIL_BYTES): staged loads one call and back to back at each,
-    every value twice, alternating, so that a drift of the machine shows between rounds."""
+def setting_ab(clock: Clock, w, host, page_size: int, setting: str, values: list[float], reps: int, ceil: dict) -> list[dict]:
+    """One staging setting at each value (`tail`: runs.TAIL_BYTES; `taper`: runs.TAPER;
+    `blocks`: the block quota of the kernel between staging and the KV buffers): staged
+    loads one call and back to back, and all-layer backups, every value twice,
+    alternating, so that a drift of the machine shows between rounds."""
     mover = host._mover("staged")  # noqa: SLF001
     transfer = layer_transfer(host, w)
     rows: list[dict] = []
     for _ in range(2):
-        for tail in tails:
-            runs.TAIL_BYTES = tail
+        for value in values:
+            if setting == "tail":
+                runs.TAIL_BYTES = int(value)
+            elif setting == "taper":
+                runs.TAPER = value
+            else:
+                mover.gather.block_quota = int(value)
             mover._plans.clear()  # noqa: SLF001
             prepared = mover.plan(transfer)
-            print(f"  tail {tail >> 10} KiB: {len(prepared.plan.chunks)} chunks, {prepared.plan.copy_count} copies", flush=True)
+            print(f"  {setting} {value}: {len(prepared.plan.chunks)} chunks, {prepared.plan.copy_count} copies", flush=True)
+            before = len(rows)
             back_to_back(clock, w, host, "staged", page_size, len(prepared.plan.chunks), reps, ceil, rows)
-            rows[-1]["tail"] = rows[-2]["tail"] = tail
+            backup(clock, w, host, "staged", page_size, reps, ceil, rows)
+            for row in rows[before:]:
+                row[setting] = value
     return rows
 
 
@@ -442,6 +456,15 @@ def back_to_back(clock: Clock, w, host, io: str, page_size: int, chunks: int, re
     seconds, host_s = clock.time(every_layer, max(3, reps // 2))
     emit(rows, ceil, page=page_size, chunks=chunks, what=f"{io} load, {w.layers} layers back to back",
          gbps=gbps(w.layer_bytes * w.layers, seconds), host_us=host_s * 1e6 / w.layers)
+
+
+def backup(clock: Clock, w, host, io: str, page_size: int, reps: int, ceil: dict, rows: list[dict]) -> None:
+    """An all-layer backup."""
+    def all_layers() -> None:
+        host.backup_from_device_all_layer(w.dev, w.host_idx, w.dev_idx, io_backend=io)
+
+    seconds, host_s = clock.time(all_layers, max(3, reps // 3), warmup=1)
+    emit(rows, ceil, page=page_size, what=f"{io} backup, all layers", dir="d2h", gbps=gbps(w.layer_bytes * w.layers, seconds), host_us=host_s * 1e6)
 
 
 if __name__ == "__main__":

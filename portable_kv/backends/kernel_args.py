@@ -39,6 +39,10 @@ class TensorJob(ctypes.Structure):
         ("chunk_bytes", ctypes.c_int64),
         ("groups", ctypes.c_int64),
         ("vec_begin", ctypes.c_int64),
+        ("chunk_vecs_magic", ctypes.c_uint64),
+        ("groups_magic", ctypes.c_uint64),
+        ("chunk_vecs_shift", ctypes.c_int64),
+        ("groups_shift", ctypes.c_int64),
     ]
 
 
@@ -57,7 +61,27 @@ class CopyArgs(ctypes.Structure):
         ("total_vecs", ctypes.c_int64),
         ("to_device", ctypes.c_int64),
         ("stream_device", ctypes.c_int64),
+        ("tokens_magic", ctypes.c_uint64),
+        ("page_magic", ctypes.c_uint64),
+        ("tokens_shift", ctypes.c_int64),
+        ("page_shift", ctypes.c_int64),
     ]
+
+
+def divisor(d: int) -> tuple[int, int]:
+    """The magic and shift that divide by d in kv_copy.h's pkv_div:
+    n // d == ((n * magic >> 64) + n) >> shift for every 0 <= n < 2**63.
+    With shift = ceil(log2 d), magic = floor(2**64 * (2**shift - d) / d) + 1 < 2**64
+    (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994)."""
+    if d < 1:
+        raise ValueError(f"divisor: expected a positive integer, got {d}")
+    shift = (d - 1).bit_length()
+    return ((1 << 64) * ((1 << shift) - d)) // d + 1, shift
+
+
+def _divisor_fields(name: str, d: int) -> dict[str, int]:
+    magic, shift = divisor(d)
+    return {f"{name}_magic": magic, f"{name}_shift": shift}
 
 
 def access_width(*values: int) -> int:
@@ -106,6 +130,7 @@ class JobTemplate:
                 host_tokens=s.tokens, device_tokens=pair.device[0].shape[0],
                 chunk_bytes=c.chunk_bytes, groups=c.groups,
             ))
+            self.jobs[-1].update(_divisor_fields("chunk_vecs", c.chunk_bytes // self.width), **_divisor_fields("groups", c.groups))
             self.vecs_per_row.append(c.groups * c.chunk_bytes // self.width)
 
     def write(self, args: CopyArgs) -> None:
@@ -143,6 +168,9 @@ class PreparedLaunch:
         args.host_indices, args.device_indices = host_indices.data_ptr(), device_indices.data_ptr()
         args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)
         args.page_size = transfer.page_size
+        # (an empty transfer has no vectors, so nothing divides by its 0 tokens)
+        for name, value in (_divisor_fields("tokens", max(transfer.tokens, 1)) | _divisor_fields("page", transfer.page_size)).items():
+            setattr(args, name, value)
         args.to_device = transfer.to_device
         args.stream_device = stream_device
         self.grid = grid_size(args.total_vecs, block_quota)

@@ -45,10 +45,10 @@ from ..runs import Copies, StagedPlan, miniature, plan
 from .base import BadIndexFlag, Mover, MoverFactory
 from .kernel_args import BLOCK, JobTemplate, PreparedLaunch
 
-# Blocks of the kernel between staging and the KV buffers: it works in HBM, where
-# 8 blocks of 512 threads keep ~256 KB in flight, several times what one copy
-# engine drains from PCIe; the model keeps the other SMs.
-STAGING_BLOCKS = 8
+# Blocks of the kernel between staging and the KV buffers (PORTABLE_KV_STAGING_BLOCKS):
+# it works in HBM, where 8 blocks of 512 threads keep ~256 KB in flight, several times
+# what one copy engine drains from PCIe; the model keeps the other SMs.
+STAGING_BLOCKS = int(config.STAGING_BLOCKS.default or 8)
 PLANS_KEPT = 8  # staged plans per pool: a load's and a backup's indices, a few of each
 TEMPLATES_KEPT = 16
 LAUNCHES_KEPT = 128  # a prepared launch per chunk (a backup of a large pool has ~30), for a few plans
@@ -57,6 +57,11 @@ AUTO_MIN_BYTES = 4 << 20
 # Batched copies this large on average keep the direct path at the link (its descriptors,
 # unlike separate copies, follow one another with no gap); smaller ones cost host time.
 DIRECT_MIN_COPY_BYTES = 512 << 10
+
+def staging_blocks() -> int:
+    """The staged kernel's block quota: PORTABLE_KV_STAGING_BLOCKS, else STAGING_BLOCKS."""
+    return config.STAGING_BLOCKS.integer(minimum=1) or STAGING_BLOCKS
+
 
 Memcpy2D = Callable[[int, int, int, int, int, int, int], None]  # dst, dst_pitch, src, src_pitch, width, height, stream
 MemcpyBatch = Callable[[CopyBatch, int], None]  # 1-D copies, stream
@@ -297,10 +302,10 @@ class KernelGather(Mover):
 
     io = "kernel"
 
-    def __init__(self, backend: Any, block_quota: int = STAGING_BLOCKS, stream_device: bool = True) -> None:
+    def __init__(self, backend: Any, block_quota: int | None = None, stream_device: bool = True) -> None:
         super().__init__(backend.device)
         self.backend = backend
-        self.block_quota = block_quota
+        self.block_quota = block_quota or staging_blocks()
         self.stream_device = stream_device
         self._templates: IdentityCache[JobTemplate] = IdentityCache(TEMPLATES_KEPT)
         self._launches: IdentityCache[PreparedLaunch] = IdentityCache(LAUNCHES_KEPT)

@@ -18,6 +18,12 @@ class Clock:
 
     def __init__(self, device: torch.device) -> None:
         self.gpu = device.type == "cuda"
+        # The SM clock (MHz) while the last timed calls ran, or None where the management
+        # library (NVML, amdsmi) is absent.  Rows of the staged path carry it: its kernel in
+        # device memory is bound per SM, so a GPU left at its idle clock by DMA-only rows
+        # before it moves half as much (docs/PERFORMANCE.md).
+        self.sm_mhz: int | None = None
+        self._clock_readable = self.gpu
 
     def time(self, fn: Callable[[], None], reps: int, warmup: int = 2) -> tuple[float, float]:
         """Median seconds per call on the device, and median host seconds to enqueue a call."""
@@ -27,7 +33,7 @@ class Clock:
         self.sync()
         if (time.perf_counter() - t0) / max(1, warmup) > SLOW_CALL_S:
             reps = min(reps, 3)
-        device, host = [], []
+        device, host, mhz = [], [], []
         for _ in range(reps):
             if self.gpu:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -37,11 +43,23 @@ class Clock:
             host.append(time.perf_counter() - t0)
             if self.gpu:
                 end.record()
+                mhz.append(self._sm_clock())  # read while the calls run, after both events are enqueued
                 end.synchronize()
                 device.append(start.elapsed_time(end) / 1e3)
             else:
                 device.append(host[-1])
+        known = [m for m in mhz if m is not None]
+        self.sm_mhz = int(statistics.median(known)) if known else None
         return statistics.median(device), statistics.median(host)
+
+    def _sm_clock(self) -> int | None:
+        if not self._clock_readable:
+            return None
+        try:
+            return int(torch.cuda.clock_rate())
+        except Exception:  # noqa: BLE001 -- no NVML / amdsmi here: the rows go without the clock
+            self._clock_readable = False
+            return None
 
     def sync(self) -> None:
         if self.gpu:

@@ -73,12 +73,17 @@ def bench_pool(clock: Clock, w: Workload, host: pk.AsymmetricHostPool, io: str, 
     quota = getattr(backends.current(), "block_quota", 0) if io == "kernel" and clock.gpu else 0
     seconds, host_s = clock.time(load, reps)
     rate = gbps(w.layer_bytes, seconds)
-    rows = [Row(section, name, "h2d", w.page_size, rate, percent(rate, ceil, "h2d"), host_s * 1e6, quota)]
+    rows = [Row(section, name, "h2d", w.page_size, rate, percent(rate, ceil, "h2d"), host_s * 1e6, quota, with_clock(clock))]
     all_bytes = w.layer_bytes * w.layers
     seconds, host_s = clock.time(lambda: host.backup_from_device_all_layer(w.dev, w.host_idx, w.dev_idx, io_backend=io), max(3, reps // 4), warmup=1)
     rate = gbps(all_bytes, seconds)
-    rows.append(Row(section, name, "d2h", w.page_size, rate, percent(rate, ceil, "d2h"), host_s * 1e6, quota))
+    rows.append(Row(section, name, "d2h", w.page_size, rate, percent(rate, ceil, "d2h"), host_s * 1e6, quota, with_clock(clock)))
     return rows
+
+
+def with_clock(clock: Clock) -> dict:
+    """A row's extras: the SM clock while its calls ran, where it can be read."""
+    return {} if clock.sm_mhz is None else {"sm_mhz": clock.sm_mhz}
 
 
 def sweep(clock: Clock, w: Workload, reps: int, ceil: dict, io: str, setting: str, values: tuple[int, ...], label: str) -> list[Row]:

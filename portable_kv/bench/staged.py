@@ -24,11 +24,11 @@ import portable_kv as pk
 
 from .. import backends
 from ..allocator import PageRunAllocator, churn_run_lengths, page_runs
-from ..backends.staged import STAGING_BLOCKS
+from ..backends.staged import staging_blocks
 from .measure import Clock, gbps
 from .peers import peers
 from .report import Row
-from .sections import bench_pool, percent
+from .sections import bench_pool, percent, with_clock
 from .workload import Geometry, Workload
 
 IOS = ("kernel", "direct", "staged", "auto")
@@ -170,7 +170,7 @@ def _with_sms(row: Row, backend, host: pk.AsymmetricHostPool, w: StagedWorkload,
         if taken == "staged":
             taken = row.extra["staged_took"] = mover.last_path
     if gpu:
-        row.grid = {"kernel": getattr(backend, "block_quota", 0), "staged": STAGING_BLOCKS}.get(taken, 0)
+        row.grid = {"kernel": getattr(backend, "block_quota", 0), "staged": staging_blocks()}.get(taken, 0)
         row.extra["sms"] = row.grid
     return row
 
@@ -186,7 +186,7 @@ def back_to_back(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, i
     seconds, host_s = clock.time(every_layer, max(3, reps // 2), warmup=1)
     rate = gbps(w.layer_bytes * w.layers, seconds)
     return Row("staged", f"{name}, {w.layers} layers back to back", "h2d", w.page_size, rate, percent(rate, ceil, "h2d"),
-               host_s * 1e6 / w.layers)
+               host_s * 1e6 / w.layers, extra=with_clock(clock))
 
 
 def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str, where: str,
@@ -215,7 +215,7 @@ def both_ways(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: 
     rate = gbps(2 * load_idx[0].numel() * w.token_layer_bytes, seconds)
     order = ", the backup issued first" if backup_first else ""
     return Row("staged", f"{name} load {io} + backup {backup_io} at once{order}, {where}", "both", w.page_size, rate,
-               percent(rate, ceil, "both"), host_s * 1e6)
+               percent(rate, ceil, "both"), host_s * 1e6, extra=with_clock(clock))
 
 
 def both_ways_threads(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, io: str, reps: int, ceil: dict, name: str,

@@ -29,6 +29,9 @@ struct PkvTensorJob {                 // one of K or V
   long long host_tokens, device_tokens;                     // bounds for every index
   long long chunk_bytes, groups;      // contiguous bytes per (token, layer, group); groups per token
   long long vec_begin;                // first vector of this job in the flat space
+  // Divisors as multiply-high and shift (pkv_div): vectors per chunk, at the launch's width; groups.
+  unsigned long long chunk_vecs_magic, groups_magic;
+  long long chunk_vecs_shift, groups_shift;
 };
 
 struct PkvCopyArgs {
@@ -41,7 +44,19 @@ struct PkvCopyArgs {
   // cached writes slowed the copy engine's next writes into staging by a fifth at
   // 16-token pages on the H200 (docs/PERFORMANCE.md), and a layer's KV outgrows L2.
   long long stream_device;
+  // Divisors as multiply-high and shift (pkv_div): tokens, page_size.
+  unsigned long long tokens_magic, page_magic;
+  long long tokens_shift, page_shift;
 };
+
+// n / d for 0 <= n < 2^63 as one multiply-high, an add and a shift (Granlund and
+// Montgomery's round-up method; kernel_args.py's `divisor` computes magic and shift for d).
+// A vector's address took four 64-bit divisions, ~100 instructions each: in HBM, where
+// the staged path runs this kernel, that arithmetic bound it per SM (60-71 GB/s at 8
+// blocks on the H200, linear in blocks), not the memory.
+__device__ __forceinline__ long long pkv_div(long long n, unsigned long long magic, long long shift) {
+  return (long long)((__umul64hi((unsigned long long)n, magic) + (unsigned long long)n) >> shift);
+}
 
 // Where vector `v` sits, before any memory is read: the token's position in
 // the index arrays, its layer, and its byte offsets from the token's row on
@@ -58,12 +73,13 @@ __device__ __forceinline__ PkvSpot pkv_spot(const PkvCopyArgs& a, long long v) {
   const PkvTensorJob& t = *s.job;
   const long long vecs_per_chunk = t.chunk_bytes / (long long)sizeof(Vec);
   const long long local = v - t.vec_begin;
-  long long item = local / vecs_per_chunk;
+  const long long item = pkv_div(local, t.chunk_vecs_magic, t.chunk_vecs_shift);
   const long long byte = (local - item * vecs_per_chunk) * (long long)sizeof(Vec);
-  const long long group = item % t.groups;
-  item /= t.groups;
-  s.i = item % a.tokens;
-  s.layer = a.layer_begin + item / a.tokens;
+  const long long token_item = pkv_div(item, t.groups_magic, t.groups_shift);
+  const long long group = item - token_item * t.groups;
+  const long long layer = pkv_div(token_item, a.tokens_magic, a.tokens_shift);
+  s.i = token_item - layer * a.tokens;
+  s.layer = a.layer_begin + layer;
   s.host_offset = s.layer * t.host_layer + group * t.host_group + byte;
   s.device_offset = group * t.device_group + byte;
   return s;
@@ -75,7 +91,8 @@ __device__ __forceinline__ bool pkv_address(const PkvCopyArgs& a, const PkvSpot&
                                             unsigned long long layer_base, const char** src, char** dst) {
   const PkvTensorJob& t = *s.job;
   if (ht < 0 || ht >= t.host_tokens || dt < 0 || dt >= t.device_tokens) return false;
-  char* host = (char*)t.host_base + (ht / a.page_size) * t.host_page + (ht % a.page_size) * t.host_token + s.host_offset;
+  const long long page = pkv_div(ht, a.page_magic, a.page_shift);
+  char* host = (char*)t.host_base + page * t.host_page + (ht - page * a.page_size) * t.host_token + s.host_offset;
   char* dev = (char*)layer_base + dt * t.device_token + s.device_offset;
   *src = a.to_device ? host : dev;
   *dst = a.to_device ? dev : host;
@@ -124,10 +141,10 @@ __device__ __forceinline__ bool pkv_prepare(const PkvCopyArgs& a, long long base
 }
 
 // Software-pipelined: while one iteration's loads cross PCIe (~1-2 us), the
-// next iteration's addresses are computed (64-bit divisions, a few hundred
-// instructions a vector) and its indices read.  Computed after the loads, as
-// a plain loop does, that work left the link idle between iterations: 16
-// blocks then fell short of the ceiling at 64-token pages.
+// next iteration's addresses are computed and its indices read (a device
+// round trip).  Computed after the loads, as a plain loop does, that work left
+// the link idle between iterations: 16 blocks then fell short of the ceiling
+// at 64-token pages (measured when the divisions were still 64-bit ones).
 template <typename Vec>
 __device__ __forceinline__ void pkv_copy(const PkvCopyArgs& a) {
   const long long threads = (long long)gridDim.x * blockDim.x;

@@ -257,3 +257,27 @@ def test_every_test_file_is_collected_and_tracked():
     if (root / ".git").exists():
         ignored = subprocess.run(["git", "check-ignore", *map(str, files)], cwd=root, capture_output=True, text=True).stdout.split()
         assert not ignored, f"test files ignored by git: {ignored}"
+
+
+def test_bench_rows_carry_the_sm_clock_where_it_can_be_read(monkeypatch):
+    """A staged row's rate depends on the SM clock (its kernel is bound per SM): the bench
+    reads it through torch while the timed calls run, and leaves it out where it cannot."""
+    import torch
+
+    from portable_kv.bench.measure import Clock
+    from portable_kv.bench.sections import with_clock
+
+    clock = Clock(torch.device("cpu"))
+    clock.time(lambda: None, 3)
+    assert clock.sm_mhz is None and with_clock(clock) == {}
+    clock._clock_readable = True  # noqa: SLF001 -- as on a GPU host
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 1980)
+    assert clock._sm_clock() == 1980  # noqa: SLF001
+    clock.sm_mhz = 1980
+    assert with_clock(clock) == {"sm_mhz": 1980}
+
+    def unreadable(device=None):
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", unreadable)
+    assert clock._sm_clock() is None and not clock._clock_readable  # noqa: SLF001 -- tried once, then left alone

@@ -8,9 +8,11 @@ import ctypes
 import re
 from pathlib import Path
 
+import fake_gpu
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 from kvspec import bits
 
 from portable_kv.backends import gpu
@@ -27,8 +29,27 @@ def test_struct_mirrors_the_header():
     args_part = text.split("struct PkvCopyArgs")[1].split("};")[0]
     names = ["job"] + [n.strip() for group in re.findall(r"(?:long long|unsigned long long) ([a-z_, ]+);", args_part) for n in group.split(",")]
     assert names == [f for f, _ in ka.CopyArgs._fields_]
-    assert ctypes.sizeof(ka.TensorJob) == 13 * 8 and ctypes.sizeof(ka.CopyArgs) == 2 * 13 * 8 + 10 * 8
+    assert ctypes.sizeof(ka.TensorJob) == 17 * 8 and ctypes.sizeof(ka.CopyArgs) == 2 * 17 * 8 + 14 * 8
     assert f"#define PKV_BLOCK {ka.BLOCK}" in text and f"#define PKV_UNROLL {ka.UNROLL}" in text
+
+
+@given(st.integers(1, 1 << 40), st.integers(0, (1 << 63) - 1))
+def test_divisor_divides_every_index_the_kernel_can_hold(d, n):
+    magic, shift = ka.divisor(d)
+    assert 0 < magic < 1 << 64 and 0 <= shift < 64
+    for value in (n, n % (d * 4 + 1), d - 1, d, d + 1, (1 << 63) - 1):
+        assert fake_gpu.pkv_div(value, magic, shift) == value // d, (value, d)
+
+
+def test_divisor_at_its_edges():
+    for d in [1, 2, 3, 5, 7, 48, 64, 96, 1 << 31, (1 << 31) + 1, (1 << 32) - 1, 1 << 32, (1 << 62) + 1]:
+        magic, shift = ka.divisor(d)
+        for n in (0, 1, d - 1, d, 2 * d - 1, 2 * d, (1 << 32) - 1, 1 << 32, (1 << 63) - 1):
+            if n >= 1 << 63:
+                continue  # past every index and vector count a kernel is given
+            assert fake_gpu.pkv_div(n, magic, shift) == n // d, (n, d)
+    with pytest.raises(ValueError, match="positive"):
+        ka.divisor(0)
 
 
 def test_access_width_and_grid():

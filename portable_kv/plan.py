@@ -120,6 +120,10 @@ class Transfer(NamedTuple):
     indices: IndexPair
     layers: range
     page_size: int
+    # Backups of this host pool issued before this call, on any stream and io path: a
+    # staged load whose count has not moved since its last wait for the current stream
+    # need not wait for that stream again (StagedMover._load).
+    host_writes: int = 0
 
     @property
     def tokens(self) -> int:

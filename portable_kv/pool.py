@@ -91,6 +91,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._validator = IndexValidator(self.size, self.page_size, self.layout, self.validate)
         self._binding: Binding | None = None
         self._movers: dict[str, Mover] = {}
+        self._host_writes = 0  # backups issued so far (Transfer.host_writes)
         self._mover(self.io_backend)
         self._init_allocator()
 
@@ -163,7 +164,9 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         binding = self._bind(device_pool, layers)
         indices = self._validator(host_indices, device_indices, binding.geometry.tokens, to_device)
         if indices.tokens:
-            mover.move(Transfer(to_device, binding.pairs, indices, layers, self.page_size))
+            if not to_device:
+                self._host_writes += 1
+            mover.move(Transfer(to_device, binding.pairs, indices, layers, self.page_size, self._host_writes))
 
     def _bind(self, device_pool: Any, layers: range) -> Binding:
         """The device pool's checked geometry and K/V tensor pairs, kept for the pool an engine passes every call.

@@ -19,10 +19,15 @@ two staging slots so that copy and kernel overlap:
     backup: current      [gather -> A][gather -> B][gather -> A]...
             copy stream  .............[copy A    ][copy B    ]...
 
-Events order each slot's writer after its last reader, the copy stream after
-the current stream at the start and the current stream after the copies at
-the end, as the direct path does.  A transfer that staging does not carry well
-(short runs, tiny rows, a bad index) goes to the kernel path.
+Events order each slot's writer after its last reader and the current stream
+after the copies at the end, as the direct path does.  A backup's copies follow
+its gathers; a load's copies start after everything already on the current
+stream, except where no backup of the pool was issued since the mover's last
+load on that stream waited so: then they need only their slot, and a load
+issued behind another (an engine's per-layer loads) copies while the one before
+it scatters its last chunk.  The slots alternate across calls too.  A transfer
+that staging does not carry well (short runs, tiny rows, a bad index) goes to
+the kernel path.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from .kernel_args import BLOCK, JobTemplate, PreparedLaunch
 # what one copy engine drains from PCIe; the model keeps the other SMs.
 STAGING_BLOCKS = int(config.STAGING_BLOCKS.default or 8)
 PLANS_KEPT = 8  # staged plans per pool: a load's and a backup's indices, a few of each
+BATCHES_KEPT = 1024  # a plan's batched copies per (chunk, slot, layer): 61 layers of a 8-chunk load
 TEMPLATES_KEPT = 16
 LAUNCHES_KEPT = 128  # a prepared launch per chunk (a backup of a large pool has ~30), for a few plans
 # Under this many bytes a call is latency: the kernel path's one launch is the cheapest.
@@ -234,6 +240,7 @@ class Prepared:
         self._carried: dict[StagingRule, bool] = {}
         self._batched: dict[StagingRule, bool] = {}
         self._rows: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...] | None = None
+        self._batches: dict[tuple[int, int, int], CopyBatch] = {}
 
     def carried_by(self, rule: StagingRule) -> bool:
         """`rule.carries(self.plan)`, answered once per rule: its numpy reductions cost
@@ -261,6 +268,25 @@ class Prepared:
                              *(np.concatenate([p[n] for p in parts]) for n in range(3))))
             self._rows = tuple(made)
         return self._rows[chunk]
+
+    def batch(self, chunk: int, slot: Slot, transfer: Transfer) -> CopyBatch:
+        """`chunk`'s rows as one batch of 1-D copies between the host pool and `slot`, for
+        the transfer's first layer: made once per (chunk, slot, layer), so that a call
+        enqueues them without the ~20 us of numpy that building them takes per chunk."""
+        key = (chunk, slot.generation, transfer.layers.start)
+        batch = self._batches.get(key)
+        if batch is None:
+            if len(self._batches) >= BATCHES_KEPT:
+                self._batches.clear()
+            which, host, staging, sizes = self.rows(chunk)
+            layer = transfer.layers.start
+            host_bases = np.array([p.host.data_ptr() + layer * p.strides.layer for p in transfer.pairs], np.int64)
+            staging_bases = np.array([slot.address + offset for offset in self.plan.offsets], np.int64)
+            host, staging = (host + host_bases[which]).astype(np.uint64), (staging + staging_bases[which]).astype(np.uint64)
+            sizes = sizes.astype(np.uint64)
+            batch = CopyBatch(staging, host, sizes) if transfer.to_device else CopyBatch(host, staging, sizes)
+            self._batches[key] = batch
+        return batch
 
     def pairs(self, slot: Slot, transfer: Transfer, indexing: bool) -> tuple[TensorPair, TensorPair]:
         """K and V of `slot` as the copy kernel's "host" side: the staging miniatures.
@@ -375,6 +401,12 @@ class StagedMover(Mover):
         self.staging_bytes: int = config.STAGING_BYTES.integer(minimum=1) or 0
         self._plans: IdentityCache[Any] = IdentityCache(PLANS_KEPT)
         self._slots: dict[bool, list[Slot]] = {}
+        self._turn = {True: 0, False: 0}  # the slot each direction's next chunk takes
+        # (pool backups, current stream, copy stream) when a load's copies last waited for
+        # the current stream; None: the next load waits.  wait_each_load: always wait (A/B).
+        self._ordered: tuple[int, int, int] | None = None
+        self.wait_each_load = False
+        self._start = streams.event()
         self._lock = threading.Lock()
         self.last_path = ""  # "staged" or "kernel" (the fallback): the latest call's, for benchmarks
 
@@ -422,15 +454,22 @@ class StagedMover(Mover):
     def _load(self, transfer: Transfer, prepared: Prepared, slots: list[Slot]) -> None:
         streams = self.streams
         current = streams.current()
-        chunks = len(prepared.plan.chunks)
+        chunks, turn = len(prepared.plan.chunks), self._turn[True]
         apart = self._apart(prepared, current)
         copier = streams.side(current) if apart else current
-        if apart:  # the copies start after everything already on the current stream
-            start = slots[0].filled  # recorded again below, after this wait is enqueued
-            streams.record(start, current)
-            streams.wait(copier, start)
+        if apart:
+            # The copies read host memory, which only this pool's backups write from a GPU
+            # stream (storage tiers and flat pages write it from the CPU, before the call):
+            # they start after everything on the current stream unless no backup was issued
+            # since the last load that waited so, on these streams.  The scatters stay in
+            # stream order on the current stream; the slots are ordered by their events.
+            ordered = (transfer.host_writes, streams.handle(current), streams.handle(copier))
+            if ordered != self._ordered or self.wait_each_load:
+                streams.record(self._start, current)
+                streams.wait(copier, self._start)
+                self._ordered = ordered
         for c in range(chunks):
-            slot = slots[c % 2]
+            slot = slots[(turn + c) % 2]
             streams.wait(copier, slot.free)
             self._copy(transfer, prepared, c, slot, streams.handle(copier))
             if apart:
@@ -438,15 +477,16 @@ class StagedMover(Mover):
                 streams.wait(current, slot.filled)
             self._gather(transfer, prepared, c, slot)
             streams.record(slot.free, current)
+        self._turn[True] = (turn + chunks) % 2
 
     def _backup(self, transfer: Transfer, prepared: Prepared, slots: list[Slot]) -> None:
         streams = self.streams
         current = streams.current()
-        chunks = len(prepared.plan.chunks)
+        chunks, turn = len(prepared.plan.chunks), self._turn[False]
         apart = self._apart(prepared, current)
         copier = streams.side(current) if apart else current
         for c in range(chunks):
-            slot = slots[c % 2]
+            slot = slots[(turn + c) % 2]
             streams.wait(current, slot.free)
             self._gather(transfer, prepared, c, slot)
             if apart:
@@ -454,8 +494,9 @@ class StagedMover(Mover):
                 streams.wait(copier, slot.filled)
             self._copy(transfer, prepared, c, slot, streams.handle(copier))
             streams.record(slot.free, copier)
+        self._turn[False] = (turn + chunks) % 2
         if apart:  # the current stream's next work sees the host pool written
-            streams.wait(current, slots[(chunks - 1) % 2].free)
+            streams.wait(current, slots[(turn + chunks - 1) % 2].free)
 
     def _gather(self, transfer: Transfer, prepared: Prepared, chunk: int, slot: Slot) -> None:
         """The copy kernel between the KV buffers and `slot`, for one chunk, on the current stream."""
@@ -469,13 +510,7 @@ class StagedMover(Mover):
         """The host-side copies of one chunk of K and V, between the host pool and `slot`:
         one batched call of their rows where the rule batches the plan, else 2-D copies."""
         if prepared.batched_by(self.rule):
-            which, host, staging, sizes = prepared.rows(chunk)
-            layer = transfer.layers.start
-            host_bases = np.array([p.host.data_ptr() + layer * p.strides.layer for p in transfer.pairs], np.int64)
-            staging_bases = np.array([slot.address + offset for offset in prepared.plan.offsets], np.int64)
-            host, staging = (host + host_bases[which]).astype(np.uint64), (staging + staging_bases[which]).astype(np.uint64)
-            sizes = sizes.astype(np.uint64)
-            self.memcpy_batch(CopyBatch(staging, host, sizes) if transfer.to_device else CopyBatch(host, staging, sizes), stream)
+            self.memcpy_batch(prepared.batch(chunk, slot, transfer), stream)
             return
         memcpy_2d, to_device = self.memcpy_2d, transfer.to_device
         for pair, offset, (host, staging, width, height, host_pitch, staging_pitch), ends in zip(
@@ -491,6 +526,7 @@ class StagedMover(Mover):
     def close(self) -> None:
         self._plans.clear()
         self._slots.clear()
+        self._ordered = None
         for part in self.parts:
             part.close()
 

@@ -118,6 +118,31 @@ def test_many_chunks_over_two_slots(gpu, monkeypatch):
     host.close()
 
 
+@pytest.mark.parametrize("copies", tuple(COPIES))
+def test_loads_behind_loads_and_late_backups_of_other_io_paths(gpu, monkeypatch, copies):
+    """Staged per-layer loads issued back to back copy without waiting for the stream, so
+    each load behind a backup must still see what the backup wrote: every layer is backed up
+    through the kernel path after a long sleep on the stream, then loaded at once, never
+    synchronised; and two loads behind each other each move their own layer."""
+    page_bytes = 16 * (4 * 192 + 4 * 128) * 2
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(2 * (5 * page_bytes + 256)))  # 5 pages a slot: 7 chunks, odd
+    dev, host = pools("layer_first", 16, copies=copies)
+    host_idx = page_tokens(torch.arange(0, 32), 16)
+    source, target = page_tokens(torch.arange(0, 32), 16).to(dev.device), page_tokens(torch.arange(32, 64), 16).to(dev.device)
+    host.load_to_device_per_layer(dev, host_idx, target, 0)  # the mover's first load waits for the stream
+    for layer in range(dev.layer_num):
+        torch.cuda._sleep(20_000_000)  # ~10 ms: the backup lands long after the load is enqueued
+        host.backup_from_device_per_layer(dev, host_idx, source, layer, io_backend="kernel")
+        host.load_to_device_per_layer(dev, host_idx, target, layer)
+        host.load_to_device_per_layer(dev, host_idx, target, (layer + 1) % dev.layer_num)
+        host.load_to_device_per_layer(dev, host_idx, target, layer)
+    torch.cuda.synchronize()
+    for layer in range(dev.layer_num):
+        for buffer in (dev.k_buffer[layer], dev.v_buffer[layer]):
+            assert torch.equal(bits(buffer[target]), bits(buffer[source])), f"layer {layer}"
+    host.close()
+
+
 def test_both_directions_at_once_on_two_streams(gpu, monkeypatch):
     monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(1 << 20))
     dev, host = pools("page_first_direct", 16)

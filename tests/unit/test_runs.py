@@ -302,6 +302,69 @@ def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backe
     host.close()
 
 
+class LoggedStreams(staged.InlineStreams):
+    """A GPU's streams as names and its events as objects: every record and wait logged."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: 0)
+        self.stream, self.log = "engine", []
+
+    def current(self) -> str:
+        return self.stream
+
+    def side(self, current: str) -> str:
+        return f"copies after {current}"
+
+    def event(self) -> object:
+        return object()
+
+    def handle(self, stream: str) -> int:
+        return hash(stream)
+
+    def record(self, event: object, stream: str) -> None:
+        self.log.append(("record", event, stream))
+
+    def wait(self, stream: str, event: object) -> None:
+        self.log.append(("wait", stream, event))
+
+
+def test_a_staged_load_waits_for_its_stream_where_a_backup_was_issued_since(cpu_backend, monkeypatch):
+    """A staged load's copies wait for the current stream on the first load, after any backup
+    of the pool (on any io path), on another stream, and when told to; a load behind
+    another load copies at once.  Chunks alternate between the slots across calls too, so
+    a load's first copy never waits for the slot of the load before it's last scatter."""
+    P = 4
+    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    idx = page_tokens(torch.arange(32), P)
+    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="staged")
+    mover = host._mover("staged")
+    mover.staging_bytes = 2 * 5 * P * 2 * (24 + 16) * 2 + 1024  # 5 pages a slot: 7 chunks a load
+    streams = mover.streams = LoggedStreams()
+    mover._start = streams.event()
+    slots_used = []
+    real_copy = mover._copy
+    monkeypatch.setattr(mover, "_copy", lambda t, p, c, slot, s: slots_used.append(slot) or real_copy(t, p, c, slot, s))
+
+    def waited_for_stream(call) -> bool:
+        streams.log.clear()
+        call()
+        return ("record", mover._start, streams.stream) in streams.log and ("wait", f"copies after {streams.stream}", mover._start) in streams.log
+
+    assert waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 0)), "the first load"
+    chunks = len(slots_used)
+    assert chunks % 2 == 1, "an odd chunk count, so that the next load starts on the other slot"
+    assert not waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 1)), "a load behind a load"
+    assert all(a is not b for a, b in zip(slots_used, slots_used[1:])), "slots alternate across the two calls"
+    host.backup_from_device_per_layer(dev, idx, idx, 1, io_backend="kernel")
+    assert waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 0)), "a backup was issued since"
+    assert not waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 1))
+    streams.stream = "another"
+    assert waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 1)), "another stream"
+    mover.wait_each_load = True
+    assert waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 1)), "told to wait each load"
+    host.close()
+
+
 @pytest.mark.parametrize("io", ["staged", "auto"])
 def test_loads_and_backups_of_the_same_indices_keep_their_plans_side_by_side(cpu_backend, monkeypatch, io):
     """A load, a backup and a per-layer load of the same indices each plan once (a plan costs

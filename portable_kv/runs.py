@@ -39,13 +39,14 @@ STAGING_ALIGN = 256
 # toward the end of a load (grow from the start of a backup).  The kernel of a load's
 # last chunk (a backup's first) overlaps no copy, so that chunk sets the pipeline's
 # tail; every chunk boundary inside a run of host pages costs two more copies, and
-# each copy 2-3 us of copy-engine time on the H200 (docs/PERFORMANCE.md).  TAPER: a
-# load's chunk may be 3/4 of the one before and still be copied no faster than the
-# kernel (~73 GB/s at 8 blocks) empties the previous one (~53 GB/s over PCIe: 0.73),
-# so the copies never wait for a slot; a backup mirrors it.  TAIL_BYTES: the last
-# chunk, whose kernel alone is the tail (~30 us).
+# each copy 2-3 us of copy-engine time on the H200 (docs/PERFORMANCE.md), and each
+# chunk ~60 us of host time.  TAPER: a load's chunk may be 0.6 of the one before and
+# still be copied no faster than the kernel (97-99 GB/s at 8 blocks in device memory on
+# the H200) empties the previous one (~53 GB/s over PCIe: 0.54), so the copies never
+# wait for a slot; a backup mirrors it.  TAIL_BYTES: the last chunk, whose kernel alone
+# is the tail (~20 us).
 PIPELINE_CHUNKS = 4
-TAPER = 0.75
+TAPER = 0.6
 TAIL_BYTES = 2 << 20
 MIN_CHUNK_BYTES = 1 << 20
 

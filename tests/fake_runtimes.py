@@ -128,8 +128,11 @@ def _plain(arg):
     return arg
 
 
-HIP_SYMBOLS = ("hipRuntimeGetVersion", "hipModuleLaunchKernel", "hipMemcpyBatchAsync", "hipMemcpyAsync", "hipMemcpy2DAsync", "hipGetErrorName", "hipSetDevice")
-CUDART_SYMBOLS = ("cudaRuntimeGetVersion", "cudaMemcpyBatchAsync", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaGetErrorName")
+EVENT_CALLS = ("EventCreateWithFlags", "EventRecord", "StreamWaitEvent", "EventSynchronize", "EventQuery", "EventDestroy")
+HIP_SYMBOLS = ("hipRuntimeGetVersion", "hipModuleLaunchKernel", "hipMemcpyBatchAsync", "hipMemcpyAsync", "hipMemcpy2DAsync", "hipGetErrorName",
+               "hipSetDevice", *("hip" + name for name in EVENT_CALLS))
+CUDART_SYMBOLS = ("cudaRuntimeGetVersion", "cudaMemcpyBatchAsync", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaGetErrorName",
+                  *("cuda" + name for name in EVENT_CALLS))
 
 
 def cpu_device(self) -> torch.device:

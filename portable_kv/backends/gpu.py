@@ -87,7 +87,7 @@ class GpuBackend(Backend):
 
         return {"kernel": kernel, "direct": self.runtime.direct_mover,
                 **staged_movers(self.device, kernel, self.runtime.direct_mover, lambda: KernelGather(self), self.runtime.memcpy_2d,
-                                self.runtime.memcpy_batch, self.runtime.current_stream)}
+                                self.runtime.memcpy_batch, self.runtime.current_stream, runtime=self.runtime)}
 
     def kernels(self) -> dict[int, int]:
         """The copy kernel's entry point per access width, built or found once."""

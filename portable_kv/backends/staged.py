@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -130,48 +131,55 @@ def host_memcpy_batch(batch: CopyBatch, stream: int) -> None:
 
 
 class DeviceStreams:
-    """The device's streams and events through torch (torch.cuda serves ROCm too); the
-    copy stream is one per thread and current stream, so a load and a backup that the
-    engine puts on two streams stay two."""
+    """The device's streams as raw handles, its events through the vendor runtime (`runtime`:
+    cuda.py's or rocm.py's, ctypes calls of ~1 us); the copy stream is a torch stream, one
+    per thread and current stream, so a load and a backup that the engine puts on two
+    streams stay two."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, runtime: Any) -> None:
+        self.device, self.runtime = device, runtime
         self._local = threading.local()
 
-    def current(self) -> Any:
-        return torch.cuda.current_stream(self.device)
+    def current(self) -> int:
+        return self.runtime.current_stream()
 
-    def side(self, current: Any) -> Any:
+    def side(self, current: int) -> int:
         by_stream = getattr(self._local, "side", None)
         if by_stream is None:
             by_stream = self._local.side = {}
-        stream = by_stream.get(current.cuda_stream)
+        stream = by_stream.get(current)
         if stream is None:
-            stream = by_stream[current.cuda_stream] = torch.cuda.Stream(self.device)
-        return stream
-
-    def event(self) -> Any:
-        return torch.cuda.Event()
-
-    @staticmethod
-    def handle(stream: Any) -> int:
+            stream = by_stream[current] = torch.cuda.Stream(self.device)
         return stream.cuda_stream
 
-    @staticmethod
-    def record(event: Any, stream: Any) -> None:
-        event.record(stream)
+    def event(self) -> RuntimeEvent:
+        return RuntimeEvent(self.runtime)
 
     @staticmethod
-    def wait(stream: Any, event: Any) -> None:
-        stream.wait_event(event)
+    def handle(stream: int) -> int:
+        return stream
 
-    @staticmethod
-    def synchronize(event: Any) -> None:
-        event.synchronize()
+    def record(self, event: RuntimeEvent, stream: int) -> None:
+        self.runtime.event_record(event.handle, stream)
 
-    @staticmethod
-    def done(event: Any) -> bool:
-        return bool(event.query())
+    def wait(self, stream: int, event: RuntimeEvent) -> None:
+        self.runtime.stream_wait_event(stream, event.handle)
+
+    def synchronize(self, event: RuntimeEvent) -> None:
+        self.runtime.event_synchronize(event.handle)
+
+    def done(self, event: RuntimeEvent) -> bool:
+        return self.runtime.event_done(event.handle)
+
+
+class RuntimeEvent:
+    """A vendor runtime event, destroyed when the object goes."""
+
+    __slots__ = ("handle", "__weakref__")
+
+    def __init__(self, runtime: Any) -> None:
+        self.handle = runtime.event_create()
+        weakref.finalize(self, runtime.event_destroy, self.handle)
 
 
 class InlineStreams:
@@ -616,16 +624,20 @@ class AutoMover(Mover):
 
 
 def staged_movers(device: torch.device, kernel: MoverFactory, direct: MoverFactory, gather: MoverFactory, memcpy_2d: Memcpy2D,
-                  memcpy_batch: MemcpyBatch, stream_handle: Callable[[], int], indexing_gather: bool = False) -> dict[str, MoverFactory]:
+                  memcpy_batch: MemcpyBatch, stream_handle: Callable[[], int], indexing_gather: bool = False,
+                  runtime: Any = None) -> dict[str, MoverFactory]:
     """The `staged` and `auto` entries of a backend's movers(), from its own parts: the
     kernel and direct factories, the gather (a kernel-path mover given staging pairs;
     `indexing_gather`: the CPU oracle, which indexes layout-shaped tensors), the 2-D
-    copy, the batched 1-D copy and the current stream's handle.  On a CPU device the path is a model, run
+    copy, the batched 1-D copy, the current stream's handle and, on a GPU, the vendor
+    runtime whose events order the streams.  On a CPU device the path is a model, run
     call by call, staging whatever staging can carry."""
     cpu = device.type == "cpu"
+    if not cpu and runtime is None:
+        raise ValueError(f"staged_movers: a GPU device ({device}) needs its vendor runtime for events")
 
     def staged() -> StagedMover:
-        streams = InlineStreams(stream_handle) if cpu else DeviceStreams(device)
+        streams = InlineStreams(stream_handle) if cpu else DeviceStreams(device, runtime)
         return StagedMover(device, gather(), kernel, memcpy_2d, memcpy_batch, streams, EVERY_PLAN if cpu else LINK_RULE, indexing_gather)
 
     return {"staged": staged, "auto": lambda: AutoMover(device, kernel, direct, staged())}

@@ -157,7 +157,8 @@ class TritonBackend(Backend):
         def kernel() -> TritonMover:
             return TritonMover(self)
 
-        return {"kernel": kernel, "direct": direct, **staged_movers(self.device, kernel, direct, kernel, memcpy_2d, memcpy_batch, stream)}
+        staged = staged_movers(self.device, kernel, direct, kernel, memcpy_2d, memcpy_batch, stream, runtime=runtime)
+        return {"kernel": kernel, "direct": direct, **staged}
 
     def layer_table(self, pair_device: Any) -> LayerTable:
         return self._tables.get(pair_device, lambda: LayerTable(pair_device, self.device))

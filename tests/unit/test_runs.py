@@ -18,7 +18,7 @@ import portable_kv as pk
 from portable_kv import backends, runs
 from portable_kv.backends import cuda, rocm, staged
 from portable_kv.backends import kernel_args as ka
-from portable_kv.backends.runtime import MEMCPY_DEFAULT
+from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError
 from portable_kv.layout import host_shape
 from portable_kv.plan import tensor_pair
 
@@ -383,6 +383,27 @@ def test_loads_and_backups_of_the_same_indices_keep_their_plans_side_by_side(cpu
         host.load_to_device_per_layer(dev, idx, idx, 1)
     assert sorted(made) == [False, True, True], "one plan each: all-layer load, backup, per-layer load"
     host.close()
+
+
+def test_cuda_and_hip_events_are_twins():
+    """The staged path's events through each vendor's runtime: the same calls, the same
+    arguments, not-ready (600 on both) read as not done, other codes raised by name."""
+    for runtime, prefix in ((cuda.CudaRuntime(lib=FakeLib(13000, CUDART_SYMBOLS)), "cuda"),
+                            (rocm.HipRuntime(lib=FakeLib(70200000, HIP_SYMBOLS)), "hip")):
+        runtime.event_create()
+        runtime.event_record(0xE0, STREAM)
+        runtime.stream_wait_event(STREAM + 1, 0xE0)
+        runtime.event_synchronize(0xE0)
+        assert runtime.event_done(0xE0)
+        runtime.event_destroy(0xE0)
+        assert runtime.lib.calls == [(prefix + "EventCreateWithFlags", [("byref", "c_void_p"), 2]), (prefix + "EventRecord", [0xE0, STREAM]),
+                                     (prefix + "StreamWaitEvent", [STREAM + 1, 0xE0, 0]), (prefix + "EventSynchronize", [0xE0]),
+                                     (prefix + "EventQuery", [0xE0]), (prefix + "EventDestroy", [0xE0])]
+        runtime.lib.failing[prefix + "EventQuery"] = 600
+        assert not runtime.event_done(0xE0)
+        runtime.lib.failing[prefix + "EventQuery"] = 700
+        with pytest.raises(DeviceError, match=prefix + "EventQuery"):
+            runtime.event_done(0xE0)
 
 
 def test_cuda_and_hip_2d_copies_are_twins():

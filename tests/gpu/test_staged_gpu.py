@@ -143,6 +143,34 @@ def test_loads_behind_loads_and_late_backups_of_other_io_paths(gpu, monkeypatch,
     host.close()
 
 
+@pytest.mark.parametrize("copies", tuple(COPIES))
+def test_kernel_streams_keep_the_current_streams_order(gpu, monkeypatch, copies):
+    """The staged kernels run on a stream of their own: a backup gathers what the current
+    stream wrote just before it (after a long sleep), a load scatters after the current
+    stream's earlier writes to the same slots, and the current stream's next work (a
+    clone, before any synchronise) reads what the load and the backup wrote."""
+    page_bytes = 16 * (4 * 192 + 4 * 128) * 2
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(2 * (5 * page_bytes + 256)))
+    dev, host = pools("layer_first", 16, copies=copies)
+    host_idx = page_tokens(torch.arange(0, 32), 16)
+    source, target = page_tokens(torch.arange(0, 32), 16).to(dev.device), page_tokens(torch.arange(32, 64), 16).to(dev.device)
+    layer = 2
+    torch.cuda._sleep(20_000_000)
+    dev.k_buffer[layer][source] = 1.0  # on the current stream, ~10 ms from now
+    dev.v_buffer[layer][source] = -1.0
+    host.backup_from_device_per_layer(dev, host_idx, source, layer)
+    backed_up = (host.k_buffer[layer, :512].to(dev.device, non_blocking=True), host.v_buffer[layer, :512].to(dev.device, non_blocking=True))
+    torch.cuda._sleep(20_000_000)
+    dev.k_buffer[layer][target] = 7.0  # written before the load, which must overwrite it
+    dev.v_buffer[layer][target] = 7.0
+    host.load_to_device_per_layer(dev, host_idx, target, layer)
+    loaded = (dev.k_buffer[layer][target].clone(), dev.v_buffer[layer][target].clone())
+    torch.cuda.synchronize()
+    assert bool((backed_up[0] == 1.0).all()) and bool((backed_up[1] == -1.0).all()), "the backup gathered the stream's writes"
+    assert bool((loaded[0] == 1.0).all()) and bool((loaded[1] == -1.0).all()), "the load scattered after the stream's writes"
+    host.close()
+
+
 def test_both_directions_at_once_on_two_streams(gpu, monkeypatch):
     monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(1 << 20))
     dev, host = pools("page_first_direct", 16)

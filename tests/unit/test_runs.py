@@ -5,6 +5,7 @@ against a fake HIP runtime (which calls, in which order); the auto rule."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import replace
 
@@ -312,8 +313,12 @@ class LoggedStreams(staged.InlineStreams):
     def current(self) -> str:
         return self.stream
 
-    def side(self, current: str) -> str:
-        return f"copies after {current}"
+    def side(self, current: str) -> tuple[str, str]:
+        return f"copies after {current}", f"kernels after {current}"
+
+    @staticmethod
+    def using(stream: str) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
 
     def event(self) -> object:
         return object()
@@ -331,7 +336,8 @@ class LoggedStreams(staged.InlineStreams):
 def test_a_staged_load_waits_for_its_stream_where_a_backup_was_issued_since(cpu_backend, monkeypatch):
     """A staged load's copies wait for the current stream on the first load, after any backup
     of the pool (on any io path), on another stream, and when told to; a load behind
-    another load copies at once.  Chunks alternate between the slots across calls too, so
+    another load copies at once (its scatters, on a kernel stream of their own, still
+    follow the current stream).  Chunks alternate between the slots across calls too, so
     a load's first copy never waits for the slot of the load before it's last scatter."""
     P = 4
     dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
@@ -348,7 +354,11 @@ def test_a_staged_load_waits_for_its_stream_where_a_backup_was_issued_since(cpu_
     def waited_for_stream(call) -> bool:
         streams.log.clear()
         call()
-        return ("record", mover._start, streams.stream) in streams.log and ("wait", f"copies after {streams.stream}", mover._start) in streams.log
+        current = streams.stream
+        assert ("record", mover._start, current) in streams.log and ("wait", f"kernels after {current}", mover._start) in streams.log, \
+            "the scatters always follow the current stream's earlier work"
+        assert streams.log[-1][:2] == ("wait", current), "the current stream's next work follows the last scatter"
+        return ("wait", f"copies after {current}", mover._start) in streams.log
 
     assert waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 0)), "the first load"
     chunks = len(slots_used)

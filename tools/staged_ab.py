@@ -1,8 +1,8 @@
 """The staged io path's pipeline settings against each other, in one process against one
 ceiling: per-layer loads one call from an idle GPU and every layer back to back, an
 all-layer backup, the loads with the host-side copies left out (the kernel alone in
-device memory), host time per load, and a bf16 matmul's slowdown beside the loads, for
-each variant of
+device memory), host time per load, and a bf16 matmul's slowdown beside the loads (and
+beside their copies alone, the kernels left out), for each variant of
 
 - whether a load's copies wait for the current stream on every call (as before) or only
   after a backup of the pool (StagedMover.wait_each_load),
@@ -76,10 +76,16 @@ def measure(clock: Clock, w: StagedWorkload, layout: str, name: str, variant: Va
     mover._copy = lambda *args: None  # the kernel alone, between staging and the KV buffers
     row["kernel_alone"] = gbps(w.layer_bytes * w.layers, clock.time(every_layer, max(3, reps // 2), warmup=1)[0])
     mover._copy = copy
-    row["during_matmul"] = row["matmul_slowdown_pct"] = 0.0
+    row["during_matmul"] = row["matmul_slowdown_pct"] = row["matmul_slowdown_copies_alone_pct"] = 0.0
     if clock.gpu:
         matmul = [r for r in interference(clock, w, host, "cuda", layout) if " staged " in r.name][0]
         row["during_matmul"], row["matmul_slowdown_pct"] = matmul.gbps, matmul.extra["matmul_slowdown_pct"]
+        # The same with the kernels left out: what the copies alone cost the matmul.
+        gather = mover._gather  # noqa: SLF001
+        mover._gather = lambda *args: None
+        matmul = [r for r in interference(clock, w, host, "cuda", layout) if " staged " in r.name][0]
+        row["matmul_slowdown_copies_alone_pct"] = matmul.extra["matmul_slowdown_pct"]
+        mover._gather = gather
     row["sm_mhz"] = clock.sm_mhz
     host.close()
     return row
@@ -91,7 +97,8 @@ def report(row: dict, ceil: dict) -> str:
     return (f"page {row['page']:3d} {row['layout']:18s} {row['variant']:28s} chunks {row['chunks']:3d}  load {row['load_one']:5.1f} / "
             f"back to back {row['load_back_to_back']:5.1f} ({row['load_back_to_back_pct']:5.1f}%)  backup {row['backup']:5.1f} "
             f"({row['backup_pct']:5.1f}%)  kernel alone {row['kernel_alone']:6.1f}  host {row['host_us']:6.1f} us  "
-            f"matmul +{row['matmul_slowdown_pct']:4.1f}% at {row['during_matmul']:5.1f}  sm {row['sm_mhz']} MHz")
+            f"matmul +{row['matmul_slowdown_pct']:4.1f}% at {row['during_matmul']:5.1f} (copies alone +{row['matmul_slowdown_copies_alone_pct']:4.1f}%)  "
+            f"sm {row['sm_mhz']} MHz")
 
 
 def _layer_transfer(host, w: StagedWorkload):

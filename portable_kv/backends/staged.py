@@ -154,10 +154,11 @@ class DeviceStreams:
         by_stream = getattr(self._local, "side", None)
         if by_stream is None:
             by_stream = self._local.side = {}
+            self._local.streams = {}  # handle -> torch stream, for using() and to keep each alive
         pair = by_stream.get(current)
         if pair is None:
             made = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
-            self._local.__dict__.setdefault("streams", {}).update({s.cuda_stream: s for s in made})
+            self._local.streams.update({s.cuda_stream: s for s in made})
             pair = by_stream[current] = (made[0].cuda_stream, made[1].cuda_stream)
         return pair
 

@@ -37,6 +37,10 @@ class DeviceKVPool:
         ):
             positive_int(name, value)
         v_heads = k_heads if v_heads is None else positive_int("v_heads", v_heads)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
+        # Refused here, not first when a host pool is made from it: no buffer is allocated.
+        backends.current().check_dtype(dtype)
         if num_tokens % page_size:
             raise ValueError(f"num_tokens: expected a multiple of page_size={page_size}, got {num_tokens}")
         device = torch.device(device) if device is not None else backends.current().device
@@ -52,6 +56,7 @@ class DeviceKVPool:
         pool.k_buffer, pool.v_buffer = list(k_buffer), list(v_buffer)
         pool.page_size = positive_int("page_size", page_size)
         pool._describe()
+        backends.current().check_dtype(pool.dtype)
         return pool
 
     def _describe(self) -> None:

@@ -128,10 +128,13 @@ class HostMemory:
         return buffer, pages_per_piece * self.page_size
 
     def release(self) -> None:
-        """Unregister now (after in-flight transfers); the memory goes when its last tensor does."""
+        """Unregister now (after in-flight transfers) and let go of K and V: the memory goes
+        back to its allocator when the last tensor viewing it does, even while the pool
+        object that owned this lives on (engines keep it referenced after `close()`)."""
         for finalizer in self._finalizers:
             finalizer()
         self._finalizers = []
+        self.k = self.v = None
 
 
 def _available_host_memory() -> int | None:

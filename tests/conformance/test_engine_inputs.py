@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import math
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,6 +171,27 @@ def test_closed_and_dropped_pools_release_their_host_memory(backend, io):
     assert sum(ref() is not None for ref in alive) == 0, "host buffers outlived their pools"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("io", ["kernel", "direct", "staged", "auto"])
+def test_close_gives_the_memory_back_while_the_pool_object_lives(backend, io, layout):
+    """Engines keep the pool object (controller, radix cache, storage backend all hold it)
+    and call close() to give the memory back: nothing of the pool may keep K or V alive."""
+    if io not in backend.io_backends:
+        pytest.skip(f"{backend.name} has no {io} path")
+    dev = pk.DeviceKVPool(2, 64, 4, 2, 8, 4, dtype=torch.float16, device=backend.device)
+    host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=io)
+    idx = torch.arange(16)
+    host.backup_from_device_all_layer(dev, idx, idx.to(dev.device))
+    host.load_to_device_per_layer(dev, idx, idx.to(dev.device), 1)
+    host.get_data_page(0)
+    buffers = [weakref.ref(host.k_buffer), weakref.ref(host.v_buffer)]
+    host.close()
+    gc.collect()
+    assert all(ref() is None for ref in buffers), "close() left the host buffers alive behind the pool object"
+    with pytest.raises(ValueError, match="closed"):
+        host.load_to_device_per_layer(dev, idx, idx.to(dev.device), 0)
+
+
 @pytest.mark.parametrize("io", ["kernel", "direct", "staged", "auto"])
 def test_a_device_pool_the_engine_dropped_is_not_kept(backend, io):
     """An engine that moves on to a new device pool (a resize, a restart of its model
@@ -209,11 +231,22 @@ def test_sizes_are_checked_and_named(backend, kwargs, error, message):
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 def test_complex_dtypes_are_refused_at_construction(backend, dtype):
-    dev = pk.DeviceKVPool.from_buffers([torch.zeros(8, 1, 4, dtype=dtype, device=backend.device)],
-                                       [torch.zeros(8, 1, 4, dtype=dtype, device=backend.device)], 4)
+    """By the device pool itself, before a buffer is allocated, and by a host pool given an
+    engine's own (duck-typed) pool of complex buffers."""
+    with pytest.raises(TypeError, match="^dtype: .*complex"):
+        pk.DeviceKVPool(1, 32, 4, 1, 8, 8, dtype=dtype, device=backend.device)
+    buffers = ([torch.zeros(8, 1, 4, dtype=dtype, device=backend.device)], [torch.zeros(8, 1, 4, dtype=dtype, device=backend.device)])
+    with pytest.raises(TypeError, match="^dtype: .*complex"):
+        pk.DeviceKVPool.from_buffers(*buffers, 4)
+    engine_pool = SimpleNamespace(k_buffer=buffers[0], v_buffer=buffers[1], page_size=4)
     for io in backend.io_backends:
         with pytest.raises(TypeError, match="dtype: .*complex"):
-            pk.AsymmetricHostPool(dev, io_backend=io)
+            pk.AsymmetricHostPool(engine_pool, io_backend=io)
+
+
+def test_a_dtype_that_is_not_a_torch_dtype_is_named(backend):
+    with pytest.raises(TypeError, match="^dtype: expected a torch.dtype, got 'bf16'"):
+        pk.DeviceKVPool(1, 32, 4, 1, 8, 8, dtype="bf16", device=backend.device)
 
 
 def test_default_io_is_kernel(backend):

@@ -4,6 +4,7 @@ no DMA copy may span two pieces, and transfers stay byte-exact."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -168,3 +169,18 @@ def test_registered_pool_dropped_without_close_unregisters(backend, recorded, io
         del host
         gc.collect()
         assert sorted(recorded["unregister"]) == sorted(a for a, _ in recorded["register"])
+
+
+def test_close_unregisters_and_frees_while_the_pool_object_lives(backend, recorded):
+    """Registered memory: close() unregisters every piece and lets go of the mapping even
+    though the engine still holds the pool object."""
+    if "direct" not in backend.io_backends:
+        pytest.skip(f"{backend.name} has no direct path over registered memory")
+    dev = pk.DeviceKVPool(2, 64, 4, 2, 24, 16, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout="page_first", io_backend="direct", host_memory="registered")
+    host.backup_from_device_all_layer(dev, torch.arange(8), torch.arange(8, device=dev.device))
+    buffers = [weakref.ref(host.k_buffer), weakref.ref(host.v_buffer)]
+    host.close()
+    gc.collect()
+    assert sorted(recorded["unregister"]) == sorted(a for a, _ in recorded["register"])
+    assert all(ref() is None for ref in buffers), "close() left the registered mapping alive behind the pool object"

@@ -65,7 +65,7 @@ class SGLangSurface:
 
     @property
     def end_layer(self) -> int:
-        """One past the last model layer this pool holds."""
+        """One past the last model layer this pool holds (SGLangHostPool stores SGLang's value instead)."""
         return self.start_layer + self.layer_num
 
     @property

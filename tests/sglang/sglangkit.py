@@ -14,12 +14,16 @@ DEVICE_TOKENS = 64
 DTYPE = torch.bfloat16
 
 
-def device_pool(k_dim: int, v_dim: int):
-    """SGLang's device KV pool and its paged allocator, on the CPU, filled with random bits."""
+def device_pool(k_dim: int, v_dim: int, layers: dict | None = None):
+    """SGLang's device KV pool and its paged allocator, on the CPU, filled with random bits.
+
+    `layers`: `start_layer`/`end_layer` as SGLang's callers pass them ({}: the device
+    pool's own default); by default the model runner's exclusive `end_layer`."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    pool = MHATokenToKVPool(DEVICE_TOKENS, PAGE, DTYPE, HEADS, k_dim, LAYERS, "cpu", False, v_head_dim=v_dim, start_layer=0, end_layer=LAYERS)
+    layers = dict(start_layer=0, end_layer=LAYERS) if layers is None else layers
+    pool = MHATokenToKVPool(DEVICE_TOKENS, PAGE, DTYPE, HEADS, k_dim, LAYERS, "cpu", False, v_head_dim=v_dim, **layers)
     generator = torch.Generator().manual_seed(7)
     for buffer in [*pool.k_buffer, *pool.v_buffer]:
         buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, buffer.shape, generator=generator, dtype=torch.int16))

@@ -84,6 +84,78 @@ def test_load_goes_layer_by_layer(topology, installed):
     host.destroy()
 
 
+# How SGLang 0.5.23 passes `end_layer` to the assembler (`_mha_host_inputs` reads the device
+# pool's): the device pool's own default, inclusive (`layer_num - 1`, as each sub-pool of an
+# SWAKVPool keeps it); a pipeline stage's slice, inclusive as `unified_draft_pool` writes it;
+# and the model runner's exclusive `model.end_layer`.
+END_LAYERS = {
+    "device_pool_default_inclusive": ({}, LAYERS - 1),
+    "stage_slice_inclusive": (dict(start_layer=4, end_layer=4 + LAYERS - 1), 4 + LAYERS - 1),
+    "model_runner_exclusive": (dict(start_layer=0, end_layer=LAYERS), LAYERS),
+}
+
+
+@pytest.mark.parametrize("passed", END_LAYERS)
+def test_end_layer_is_stored_as_sglang_passes_it(topology, installed, passed):
+    layers, expected = END_LAYERS[passed]
+    topology(hicache_ratio=2.0, hicache_mem_layout="page_first", hicache_io_backend="kernel")
+    dev, allocator = device_pool(24, 16, layers)
+    host = build_kv_host_pool(kv_pool=dev, page_size=PAGE)
+    assert isinstance(host, pk_sglang.SGLangHostPool)
+    assert (host.start_layer, host.end_layer) == (dev.start_layer, dev.end_layer) == (layers.get("start_layer", 0), expected)
+    assert host.layer_num == host.target_layer_num == LAYERS
+    controller = HiCacheController(allocator, host, PAGE, tp_group=None, load_cache_event=threading.Event(), io_backend="kernel", write_policy="write_through")
+    written = allocator.alloc(2 * PAGE)
+    host_indices = controller.write(written)
+    wait(controller.ack_write_queue.pop())
+    loaded = controller.load(host_indices)
+    controller.start_loading()
+    wait(controller.ack_load_queue.pop())
+    for k, v in zip(dev.k_buffer, dev.v_buffer):
+        assert torch.equal(k[loaded].view(torch.int16), k[written].view(torch.int16))
+        assert torch.equal(v[loaded].view(torch.int16), v[written].view(torch.int16))
+    host.destroy()
+
+
+@pytest.mark.parametrize(("setting", "sglang_io", "path"), [
+    ("staged", "kernel", "staged"), ("auto", "direct", "auto"),
+    ("kernel=auto,direct=staged", "kernel", "auto"), ("kernel=auto,direct=staged", "direct", "staged"),
+    ("kernel=staged", "direct", "direct"),
+])
+def test_the_sglang_io_setting_maps_sglangs_choice_to_a_portable_kv_path(topology, installed, monkeypatch, setting, sglang_io, path):
+    monkeypatch.setenv("PORTABLE_KV_SGLANG_IO", setting)
+    topology(hicache_ratio=2.0, hicache_mem_layout="layer_first", hicache_io_backend=sglang_io)
+    dev, allocator = device_pool(24, 16)
+    host = build_kv_host_pool(kv_pool=dev, page_size=PAGE)
+    used = []
+    transfer = host._transfer
+
+    def recorded(device_pool, host_indices, device_indices, layers, to_device, io_backend):
+        used.append(io_backend)
+        transfer(device_pool, host_indices, device_indices, layers, to_device, io_backend)
+
+    host._transfer = recorded
+    controller = HiCacheController(allocator, host, PAGE, tp_group=None, load_cache_event=threading.Event(), io_backend=sglang_io, write_policy="write_through")
+    written = allocator.alloc(2 * PAGE)
+    host_indices = controller.write(written)
+    wait(controller.ack_write_queue.pop())
+    loaded = controller.load(host_indices)
+    controller.start_loading()
+    wait(controller.ack_load_queue.pop())
+    assert used and set(used) == {path}
+    assert all(torch.equal(k[loaded].view(torch.int16), k[written].view(torch.int16)) for k in dev.k_buffer)
+    host.destroy()
+
+
+@pytest.mark.parametrize("setting", ["fast", "kernel=warp", "gpu=staged"])
+def test_a_bad_sglang_io_setting_is_named(topology, installed, monkeypatch, setting):
+    monkeypatch.setenv("PORTABLE_KV_SGLANG_IO", setting)
+    topology(hicache_ratio=2.0, hicache_mem_layout="layer_first", hicache_io_backend="kernel")
+    dev, _ = device_pool(24, 16)
+    with pytest.raises(ValueError, match="^PORTABLE_KV_SGLANG_IO: expected one of"):
+        build_kv_host_pool(kv_pool=dev, page_size=PAGE)
+
+
 def test_mla_keeps_sglangs_pool(installed):
     class MLABufferInfo:  # the name SGLang's MLA device pools describe themselves by
         pass

@@ -112,15 +112,17 @@ class PageStore(ABC):
         Returns one bool per page: True when both its K and V objects are in
         the store afterwards (a key already stored counts as stored and is not
         copied again), False where the store refused it (full, unreachable).
+        A key named more than once in the batch is stored once, from the last
+        page named for it; every position of that key gets its result.
         """
         self._check_usable()
         names, pages = self._check_batch(keys, host_indices, unique=False)
-        stored: list[bool] = []
-        for batch in self._batches(host_indices, pages):
-            if batch.staged:
-                self._gather(batch.pages)
-            stored += self._put(names[batch.first : batch.first + len(batch.pages)], batch.k_ptrs, batch.v_ptrs)
-        return stored
+        once = _positions(names, last=True)
+        if len(once) == len(names):
+            return self._put_pages(names, host_indices, pages)
+        stored = self._put_pages([names[i] for i in once], self._tokens(pages[once]), pages[once])
+        by_name = dict(zip((names[i] for i in once), stored))
+        return [by_name[name] for name in names]
 
     def get(self, keys: Sequence[str], host_indices: torch.Tensor | Sequence[int]) -> list[bool]:
         """Read pages into the host pool at `host_indices` (all tokens of each page, in key order).
@@ -128,10 +130,32 @@ class PageStore(ABC):
         Returns one bool per page: True where both its K and V arrived.  No
         byte outside the named pages changes; a page reported False may have
         received part of its bytes (its slots are the caller's destination,
-        so the caller treats them as not loaded).
+        so the caller treats them as not loaded).  A key named more than once
+        is read once and its page copied to each of its destinations.
         """
         self._check_usable()
         names, pages = self._check_batch(keys, host_indices, unique=True)
+        once = _positions(names, last=False)
+        if len(once) == len(names):
+            return self._get_pages(names, host_indices, pages)
+        # Mooncake's batch_get_into fills only one of several destinations of one object (and
+        # reports all of them read), so each key is read once and copied within the pool.
+        arrived = self._get_pages([names[i] for i in once], self._tokens(pages[once]), pages[once])
+        source = {names[i]: (int(pages[i]), ok) for i, ok in zip(once, arrived)}
+        copies = [(source[name][0], int(page)) for name, page in zip(names, pages) if source[name][1] and source[name][0] != page]
+        if copies:
+            self._copy_pages(*zip(*copies))
+        return [source[name][1] for name in names]
+
+    def _put_pages(self, names: list[str], host_indices: Any, pages: np.ndarray) -> list[bool]:
+        stored: list[bool] = []
+        for batch in self._batches(host_indices, pages):
+            if batch.staged:
+                self._gather(batch.pages)
+            stored += self._put(names[batch.first : batch.first + len(batch.pages)], batch.k_ptrs, batch.v_ptrs)
+        return stored
+
+    def _get_pages(self, names: list[str], host_indices: Any, pages: np.ndarray) -> list[bool]:
         arrived: list[bool] = []
         for batch in self._batches(host_indices, pages):
             got = self._get(names[batch.first : batch.first + len(batch.pages)], batch.k_ptrs, batch.v_ptrs)
@@ -139,6 +163,16 @@ class PageStore(ABC):
                 self._scatter(batch.pages, got)
             arrived += got
         return arrived
+
+    def _tokens(self, pages: np.ndarray) -> torch.Tensor:
+        """All token indices of `pages`, as an engine passes them."""
+        return torch.from_numpy((pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
+
+    def _copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        src, dst = torch.tensor(sources), torch.tensor(targets)
+        for buffer in (self.host.k_buffer, self.host.v_buffer):
+            view = canonical_view(buffer, self.host.layout, self.page_size)
+            view[dst] = view[src]
 
     def close(self) -> None:
         """Release what the store holds (registrations, connections); idempotent.  Close the store before its host pool."""
@@ -227,6 +261,15 @@ def _rank(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
     return int(value)
+
+
+def _positions(names: list[str], last: bool) -> np.ndarray:
+    """Positions of each name's first (or last) occurrence, in batch order."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if last or name not in seen:
+            seen[name] = i
+    return np.array(sorted(seen.values()), dtype=np.int64)
 
 
 def _keys(keys: Any) -> list[str]:

@@ -21,6 +21,8 @@ SECTIONS = {
     "host-cost": "host CPU time of one per-layer load per io backend, issued back to back, beside a one-element torch op",
     "both-ways": "a load and a backup at once, each direction timed over its own span, for bulk copies and the package's paths (GPU)",
     "staged": "staged and auto io beside kernel, direct and the peers, host pages placed by the allocator after churn and at random",
+    "engine": "a cache-hit prefill of MiMo-V2-Flash as SGLang runs it (per-layer loads beside the forward's matmuls) per io path, "
+              "against the forward alone, the loads alone, recomputing and its bound; MiMo's own geometry and the first --page-size",
 }
 STORES = ("local", "mooncake")
 

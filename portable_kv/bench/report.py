@@ -45,6 +45,10 @@ CPU_CALLS = {"h2d": "load", "d2h": "backup"}
 
 
 def table(rows: list[Row], meta: dict) -> str:
+    if any(r.section == "engine" for r in rows):
+        from .engine import table as engine_table
+
+        return engine_table(rows, meta)
     gpu = on_gpu(meta)
     head = f"{'section':<12} {'what':<46} {'dir' if gpu else 'call':<6} {'page':>4} {'GB/s':>7} "
     head += f"{'%ceil':>6} {'host us':>9} {'blocks':>6}  extra" if gpu else f"{'host us':>9}  extra"
@@ -74,6 +78,10 @@ def table(rows: list[Row], meta: dict) -> str:
 def markdown(rows: list[Row], meta: dict) -> str:
     """The summary tables for a README: page_first_direct paths and peers by page size, the block
     quota sweep, both ways at once, interference; a legend under each."""
+    if any(r.section == "engine" for r in rows):
+        from .engine import markdown as engine_markdown
+
+        return engine_markdown(rows, meta)
     gpu = on_gpu(meta)
     pages = sorted({r.page_size for r in rows if r.section in ("package", "peer")}, reverse=True)
 

@@ -10,7 +10,7 @@ import torch
 
 from .. import backends
 from ..layout import LAYOUTS
-from . import report, sections, staged
+from . import engine, report, sections, staged
 from .measure import Clock
 from .peers import peers
 from .workload import Geometry, Workload
@@ -93,6 +93,8 @@ def measure(args: argparse.Namespace, geometry: Geometry, sizes: list[int], name
         return rows + host_cost(clock, geometry, layers, names, device), ceil
     if args.section == "staged":
         return rows + staged.measure(clock, geometry, sizes, names, layers, reps, ceil, device, progress), ceil
+    if args.section == "engine":
+        return rows + engine.measure(clock, sizes, names, reps, args.quick, ceil, device, progress), ceil
     for page_size in sizes:
         w = Workload(geometry, page_size, layers, device)
         progress(f"page {page_size}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")

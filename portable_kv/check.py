@@ -96,6 +96,15 @@ def roundtrip(layout: str, io_backend: str, geometry: Geometry = GEOMETRY, seed:
     return CheckResult(layout, io_backend, True, moved, seconds)
 
 
+def table(results: list[CheckResult]) -> list[str]:
+    """`portable-kv check`'s table: a header and a row per result, each column as wide as its widest cell."""
+    cells = [("layout", "io", "result", "bytes moved", "detail")]
+    cells += [(r.layout, r.io_backend, "PASS" if r.passed else "FAIL", str(r.bytes_moved), r.detail) for r in results]
+    widths = [max(len(row[column]) for row in cells) for column in range(4)]
+    return [f"{layout:<{widths[0]}}  {io:<{widths[1]}}  {result:<{widths[2]}}  {moved:>{widths[3]}}  {detail}".rstrip()
+            for layout, io, result, moved, detail in cells]
+
+
 def run_check() -> list[CheckResult]:
     backend = backends.current()
     results = []

@@ -11,11 +11,37 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from . import __version__, config
 
 USAGE_ERROR = 2  # argparse's own status for a bad command line
+
+
+class CommandLine(argparse.ArgumentParser):
+    """argparse's parser, with an unknown argument reported by the parser it was given to.
+
+    argparse reports a command's unknown arguments with the top-level usage, which
+    does not list the command's flags, and a missing command before any unknown
+    flag, which hides the flag (`portable-kv --frobnicate`). Here the command's own
+    parser reports what came after the command, the top level what came before it.
+    """
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        argv = list(sys.argv[1:] if args is None else args)
+        parsed, unknown = self.parse_known_args(argv, namespace)
+        command = getattr(parsed, "command", None)
+        if unknown:
+            # The top level takes no values, so its part of the line ends at the first positional: the command.
+            at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv)) if command else len(argv)
+            before = [arg for arg in argv[:at] if arg in unknown]
+            owner = self if before or command is None else self.commands[command]
+            owner.error(f"unrecognized arguments: {' '.join(before or unknown)}")
+        if command is None:
+            self.error("the following arguments are required: COMMAND")
+        return parsed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,14 +121,12 @@ def print_rows(rows: list[tuple[str, str]]) -> None:
 
 def cmd_check(_: argparse.Namespace) -> int:
     from . import backends
-    from .check import run_check, storage_check
+    from .check import run_check, storage_check, table
 
     backend = backends.current()
     print(f"split K/V roundtrip on backend {backend.name} ({backend.vendor}, {backend.device})")
     results = run_check() + storage_check()
-    print(f"{'layout':<18} {'io':<7} {'result':<6} {'bytes moved':>12}  detail")
-    for r in results:
-        print(f"{r.layout:<18} {r.io_backend:<7} {'PASS' if r.passed else 'FAIL':<6} {r.bytes_moved:>12}  {r.detail}")
+    print("\n".join(table(results)))
     failed = sum(not r.passed for r in results)
     print(f"{len(results) - failed} passed, {failed} failed")
     if backend.device.type == "cpu":
@@ -136,10 +160,12 @@ def cmd_build(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     from .bench import add_arguments as bench_arguments  # the bench package's __init__ imports no torch
 
-    p = argparse.ArgumentParser(prog="portable-kv", description="The host tier of a KV cache with asymmetric K/V, on NVIDIA and AMD.",
+    p = CommandLine(prog="portable-kv", description="The host tier of a KV cache with asymmetric K/V, on NVIDIA and AMD.",
                                 epilog="Expected failures print one line and exit 2; PORTABLE_KV_DEBUG=1 shows the traceback.")
     p.add_argument("--version", action="version", version=f"portable-kv {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Not required here: CommandLine.parse_args says so itself, after naming any unknown argument.
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
+    p.commands = sub.choices
 
     def command(name: str, func: Callable[[argparse.Namespace], int], summary: str) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=summary, description=summary)

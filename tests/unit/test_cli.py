@@ -84,6 +84,54 @@ def test_every_flag_has_help():
     assert not [(prog, a.option_strings) for prog, a in flags if not a.help], "flags without help"
 
 
+def usage_error(capsys, *argv: str) -> str:
+    """What the command line says on stderr for `argv`, which it must refuse as a usage error."""
+    with pytest.raises(SystemExit) as exit:
+        main(list(argv))
+    assert exit.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_an_unknown_flag_without_a_command_is_named(capsys):
+    err = usage_error(capsys, "--frobnicate")
+    assert err.startswith("usage: portable-kv [-h]") and "portable-kv: error: unrecognized arguments: --frobnicate" in err, err
+    assert "required" not in err, err
+
+
+def test_an_unknown_flag_before_the_command_is_the_top_levels(capsys):
+    err = usage_error(capsys, "--frobnicate", "info")
+    assert err.startswith("usage: portable-kv [-h]") and "portable-kv: error: unrecognized arguments: --frobnicate" in err, err
+
+
+@pytest.mark.parametrize("command", ["bench", "info", "check", "build --vendor cuda"])
+def test_an_unknown_flag_after_a_command_gets_that_commands_usage(capsys, command):
+    err = usage_error(capsys, *command.split(), "--nope")
+    command = command.split()[0]
+    assert err.startswith(f"usage: portable-kv {command} [-h]"), err
+    assert f"portable-kv {command}: error: unrecognized arguments: --nope" in err, err
+    if command == "bench":
+        assert "--page-size" in err  # bench's own flags, which the top-level usage does not list
+
+
+def test_a_missing_command_is_still_named(capsys):
+    err = usage_error(capsys)
+    assert "the following arguments are required: COMMAND" in err, err
+
+
+def test_check_table_columns_line_up():
+    from portable_kv.check import CheckResult, table
+
+    lines = table([CheckResult("layer_first", "kernel", True, 2621440, 0.1),
+                   CheckResult("page_first_direct", "L3 local", False, 5242880, 0.2, "pages read back from the local store differ")])
+    header = lines[0]
+    starts = [header.index(name) for name in ("io", "result", "detail")]
+    assert lines[1][starts[0]:].startswith("kernel") and lines[2][starts[0]:].startswith("L3 local")
+    assert lines[1][starts[1]:].startswith("PASS") and lines[2][starts[1]:].startswith("FAIL")
+    assert lines[2][starts[2]:].startswith("pages read back")
+    end = header.index("bytes moved") + len("bytes moved")
+    assert lines[1][:end].endswith("2621440") and lines[2][:end].endswith("5242880")
+
+
 @pytest.mark.parametrize("error", [ValueError("layout: expected one of ..., got 'x'"), TypeError("host_indices: expected int64"),
                                    MemoryError("pinned allocation of 64 GiB"), ImportError("No module named 'cuda'", name="cuda"),
                                    OSError(13, "Permission denied")])
@@ -120,6 +168,9 @@ def test_check_passes_every_layout_and_io_and_says_what_ran(capsys):
     out = capsys.readouterr().out
     roundtrips = [line for line in out.splitlines() if line.split()[1:2] in (["kernel"], ["direct"])]
     assert len(roundtrips) == 8 and all(" PASS " in line for line in roundtrips)
+    header = next(line for line in out.splitlines() if line.startswith("layout "))
+    rows = [line for line in out.splitlines() if " PASS " in line or " FAIL " in line]
+    assert all(line[header.index("result"):].startswith(("PASS", "FAIL")) for line in rows), out  # the L3 row included
     assert f"on backend {backends.current().name}" in out and " 0 failed" in out
     if backends.current().device.type == "cpu":
         assert "GPU kernels and DMA paths were not exercised" in out and "TRITON_INTERPRET=1 portable-kv check" in out

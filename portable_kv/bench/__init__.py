@@ -44,9 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="comma-separated backends to measure, e.g. cuda,triton (default: every GPU backend that can run here, else cpu)")
     how.add_argument("--reps", type=int, default=0, help="timed calls per measurement, median kept (default: 20; 5 with --quick)")
     how.add_argument("--quick", action="store_true",
-                     help="8 layers, 5 repetitions, a 512 MiB ceiling copy, no peers at page 1: about 2 minutes on an H200 with "
-                          "cuda and triton (the full run about 7 minutes and 41 GB of host memory); on the CPU backend about 50 s "
-                          "(the full run about 4 minutes)")
+                     help="a shorter run: 8 layers, 5 repetitions and a 512 MiB ceiling copy on a GPU; the default section "
+                          "also leaves out the peers at page 1")
     how.add_argument("--store", choices=STORES, default="",
                      help="benchmark an L3 store instead of the GPU link: put and get of whole pages against the store's own bulk "
                           "transfer (mooncake starts a loopback master); takes --page-size and --reps")

@@ -54,12 +54,14 @@ STAGING_BYTES = Setting("PORTABLE_KV_STAGING_BYTES", str(64 << 20),
                         "device memory of one pool's staged io path per direction, two halves that alternate chunks")
 STAGING_BLOCKS = Setting("PORTABLE_KV_STAGING_BLOCKS", "8",
                          "block quota of the staged io path's kernel between staging and the KV buffers")
+SGLANG = Setting("PORTABLE_KV_SGLANG", "0",
+                 "1: SGLang's plugin loader calls portable_kv.sglang.install() in every server process (HiCache on portable_kv)")
 SGLANG_IO = Setting("PORTABLE_KV_SGLANG_IO", None,
                     "io path of portable_kv pools under SGLang: one of kernel, direct, staged, auto for every call, "
                     "or pairs kernel=...,direct=... (default: SGLang's --hicache-io-backend as passed)")
 DEBUG = Setting("PORTABLE_KV_DEBUG", "0", "1: the command line shows full tracebacks")
 
-SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, STAGING_BYTES, STAGING_BLOCKS, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, SGLANG_IO, DEBUG)
+SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, STAGING_BYTES, STAGING_BLOCKS, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, SGLANG, SGLANG_IO, DEBUG)
 # Triton's own switch (Triton reads it too): it decides whether the triton backend
 # runs on the CPU; not a PORTABLE_KV_* setting, so not in SETTINGS' table.
 TRITON_INTERPRET = Setting("TRITON_INTERPRET", "0", "1: Triton kernels run on the CPU under Triton's interpreter")

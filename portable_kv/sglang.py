@@ -287,6 +287,17 @@ def install() -> None:
     logger.info("portable_kv: SGLang's HiCache builds portable_kv host pools for MHA models")
 
 
+def plugin() -> None:
+    """SGLang's general-plugin hook (entry point group ``sglang.srt.plugins``).
+
+    SGLang calls it early in every server process, the spawned schedulers
+    included, where a call to `install()` in the launcher would not reach.
+    It installs only where PORTABLE_KV_SGLANG=1.
+    """
+    if config.SGLANG.flag():
+        install()
+
+
 def uninstall() -> None:
     """Give SGLang its own host-pool builder back."""
     if not _originals:

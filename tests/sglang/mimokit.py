@@ -1,0 +1,708 @@
+"""MiMo-V2-Flash's HiCache stack, built by SGLang 0.5.23's own functions, and one write/load/evict cycle through it.
+
+The stack is what SGLang's scheduler builds for a scaled MiMo-V2-Flash: the model's config.json
+is published as SGLang's runtime context (so SGLang's own argument hooks, the MiMo overrides and the
+HiCache layout/io rewrite among them, run on it); `KVCacheConfigurator.configure` sizes and builds the
+device `SWAKVPool` (full and SWA sub-pools with their own heads and dims, layers split by the
+hybrid pattern), the request pool and the `SWATokenToKVPoolAllocator`; each MTP draft runner's
+configurator builds its one-layer `SWAKVPool` beside the target's allocator; and
+`attach_hybrid_pool_to_unified_cache` picks the hybrid-SWA strategy, which builds the host pool
+group and SGLang's `HybridCacheController` (`build_hybrid_swa_stack`), drafts packed into the SWA
+host pool.  Only the radix tree itself is a stand-in (`_TreeStandIn`): the cycle makes the calls its
+SWA component makes.
+
+`build_stack(device, layout, io, mtp=..., installed=...)` builds it; `run_cycle(stack)` writes,
+frees the device rows, loads them back layer by layer as a forward pass waits for them, and evicts
+the host copy, checking every full, SWA and draft layer bit for bit and every other device row
+untouched; `run_file_cycle(stack)` does the same through SGLang's HiCacheFile L3 tier.  The device
+is a parameter: "cpu" here, a CUDA device for runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+PAGE = 4
+DTYPE = torch.bfloat16
+ATTN_TP = 2  # attention tensor parallelism: SGLang divides the KV heads per rank
+# MiMo-V2-Flash's three MTP layers (SGLang's day-0 MiMo-V2-Flash support: a 3-layer MTP), served as
+# multi-layer EAGLE with one draft runner per step.
+MTP_STEPS = 3
+# Token budget of the device pools (--max-total-tokens): SGLang's sizer gives the full pool this
+# many tokens and the SWA pool its share (swa_full_tokens_ratio), which must hold at least one
+# window plus a page.
+MAX_TOTAL_TOKENS = 256
+CONTEXT_LENGTH = 2048  # keeps the request-to-token table small
+HICACHE_RATIO = 2.0
+
+# MiMo-V2-Flash's config.json (huggingface.co/XiaomiMiMo/MiMo-V2-Flash) with the layer count scaled
+# from 48 to 6; every other value is the checkpoint's.  Full-attention layers: 4 KV heads, K
+# head_dim 192, V head_dim 128 (`num_key_value_heads`, `head_dim`, `v_head_dim`).  Sliding-window
+# layers: 8 KV heads, the same dims (`swa_num_key_value_heads`, `swa_head_dim`, `swa_v_head_dim`),
+# a 128-token window (`sliding_window`, `sliding_window_size`).  `hybrid_layer_pattern` (0 full,
+# 1 sliding window) has full attention at layer 0 and at every sixth layer (layer % 6 == 5), as the
+# checkpoint's 48 entries do: layers 0 and 5 of 6.  `moe_layer_freq` (layer 0 dense) and the MoE and
+# vocabulary sizes are there because SGLang's config parsing reads them; nothing here uses them.
+MIMO_V2_FLASH_CONFIG = {
+    "architectures": ["MiMoV2FlashForCausalLM"],
+    "model_type": "mimo_v2_flash",
+    "num_hidden_layers": 6,
+    "hybrid_layer_pattern": [0, 1, 1, 1, 1, 0],
+    "hidden_size": 4096,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 192,
+    "v_head_dim": 128,
+    "swa_num_attention_heads": 64,
+    "swa_num_key_value_heads": 8,
+    "swa_head_dim": 192,
+    "swa_v_head_dim": 128,
+    "sliding_window": 128,
+    "sliding_window_size": 128,
+    "attention_value_scale": 0.707,
+    "moe_layer_freq": [0, 1, 1, 1, 1, 1],
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "intermediate_size": 16384,
+    "vocab_size": 152576,
+}
+FULL_LAYERS = [i for i, kind in enumerate(MIMO_V2_FLASH_CONFIG["hybrid_layer_pattern"]) if kind == 0]
+SWA_LAYERS = [i for i, kind in enumerate(MIMO_V2_FLASH_CONFIG["hybrid_layer_pattern"]) if kind == 1]
+FULL_HEADS = MIMO_V2_FLASH_CONFIG["num_key_value_heads"] // ATTN_TP
+SWA_HEADS = MIMO_V2_FLASH_CONFIG["swa_num_key_value_heads"] // ATTN_TP
+
+# Every (io backend, host layout) pair SGLang carries for an MHA model after its own HiCache
+# argument hook (`resolve_layout_io_compatibility`: kernel io with page_first_direct becomes direct
+# io, direct io with page_first becomes page_first_direct).  Of what the hook leaves,
+# page_first_kv_split is MLA's layout and direct io with page_head is refused by the controller
+# (`move_indices`), so neither reaches an MHA host pool.
+LAYOUT_IO_CASES = [
+    ("kernel", "layer_first"),
+    ("kernel", "page_first"),
+    ("kernel", "page_head"),
+    ("direct", "layer_first"),
+    ("direct", "page_first_direct"),
+]
+# The pairs SGLang's own asymmetric (K dim != V dim) host pool moves: MiMo's K and V widths differ.
+SGLANG_ASYMMETRIC_CASES = [("kernel", "page_first"), ("direct", "page_first_direct")]
+
+
+# -- SGLang's runtime context --------------------------------------------------------------------
+
+
+def write_model_config(directory: Path) -> Path:
+    """The scaled MiMo-V2-Flash config.json in `directory`, which then serves as the model path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(MIMO_V2_FLASH_CONFIG))
+    return directory
+
+
+def server_args(model_dir: Path, device: str, layout: str, io: str, *, mtp: bool, storage_dir: Path | None = None, **fields):
+    """The ServerArgs an `sglang serve` of the scaled model would be launched with (not yet resolved)."""
+    from sglang.srt.server_args import ServerArgs
+
+    if mtp:
+        # MiMo's MTP heads run as multi-layer EAGLE (SGLang's MiMo override turns that on).
+        fields.update(speculative_algorithm="EAGLE", speculative_num_steps=MTP_STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=MTP_STEPS + 1)
+    if storage_dir is not None:
+        fields.update(hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"file_storage_path": str(storage_dir)}))
+    return ServerArgs(
+        model_path=str(model_dir),
+        device=device.split(":")[0],
+        dtype="bfloat16",
+        tp_size=ATTN_TP,
+        page_size=PAGE,
+        context_length=CONTEXT_LENGTH,
+        max_total_tokens=MAX_TOTAL_TOKENS,
+        enable_hierarchical_cache=True,
+        hicache_ratio=HICACHE_RATIO,
+        hicache_mem_layout=layout,
+        hicache_io_backend=io,
+        hicache_write_policy="write_through",
+        **fields,
+    )
+
+
+def publish_rank_zero(args, device: str) -> None:
+    """Resolve `args` (SGLang's argument hooks run here) and publish them as rank 0's runtime context."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+
+    reset_context()
+    publish(args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=_gpu_id(device)))
+
+
+def _gpu_id(device: str) -> int | None:
+    """The launcher's device index for a CUDA device (None on CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    return torch.device(device).index or 0
+
+
+def resolved_layout_io(model_dir: Path, device: str, layout: str, io: str) -> tuple[str, str]:
+    """The (io backend, host layout) SGLang's argument resolution makes of a requested pair."""
+    from sglang.srt.runtime_context import get_memory, reset_context
+
+    publish_rank_zero(server_args(model_dir, device, layout, io, mtp=False), device)
+    try:
+        return get_memory().hicache_io_backend, get_memory().hicache_mem_layout
+    finally:
+        reset_context()
+
+
+# -- Stand-ins for what a CPU run lacks ----------------------------------------------------------
+
+
+class CpuKvcacheio:
+    """sgl_kernel's KV-cache copy ops that SGLang's asymmetric MHA host pool calls, in torch, for CPU runs.
+
+    On CPU SGLang's host pools find no sgl_kernel (it is built for CUDA and ROCm only), so its own
+    pool, the reference the portable_kv pool is checked against, could not move a byte.  These
+    follow the kernels' contracts: token `i` of the source rows lands on token `i` of the
+    destination rows; page_first hosts are (token, layer, head, dim), page_first_direct hosts are
+    (page, layer, token in page, head, dim).  The all-layer ops address device layers through the
+    pool's table of data pointers, resolved here through the device buffers the stack registered.
+    """
+
+    def __init__(self, device_buffers):
+        self.by_pointer = {buffer.data_ptr(): buffer for buffer in device_buffers}
+
+    def transfer_kv_per_layer_mla_pf_lf(self, src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, **_):
+        dst[dst_indices] = src[src_indices, layer_id]
+
+    def transfer_kv_all_layer_mla_lf_pf(self, src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, **_):
+        for layer, pointer in enumerate(src_layers.tolist()[:num_layers]):
+            dst[dst_indices, layer] = self.by_pointer[pointer][src_indices]
+
+    @staticmethod
+    def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
+        for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
+            dst[dst_indices] = src[src_indices // page_size, layer_id, src_indices % page_size]
+
+    @staticmethod
+    def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+        layers = len(src_ptrs) // len(dst_ptrs)
+        for n, dst in enumerate(dst_ptrs):
+            for layer in range(layers):
+                dst[dst_indices // page_size, layer, dst_indices % page_size] = src_ptrs[n * layers + layer][src_indices]
+
+    OPS = ("transfer_kv_per_layer_mla_pf_lf", "transfer_kv_all_layer_mla_lf_pf", "transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf")
+
+    def bind(self, stack: contextlib.ExitStack) -> None:
+        """Give SGLang's MHA host-pool module the ops it lacks, until `stack` closes."""
+        import sglang.srt.mem_cache.pool_host.mha as mha
+
+        for name in self.OPS:
+            if not hasattr(mha, name):
+                setattr(mha, name, getattr(self, name))
+                stack.callback(delattr, mha, name)
+
+
+def _without_triton_warmup(exit_stack: contextlib.ExitStack) -> None:
+    """Skip the Triton warm-up SGLang's device pools run when a draft model is configured, until `exit_stack` closes.
+
+    The warm-up precompiles the KV-move kernel speculative decoding uses to relocate accepted
+    tokens; Triton has no CPU driver, and HiCache never calls that kernel.
+    """
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    original = MHATokenToKVPool._init_kv_copy_and_warmup
+    MHATokenToKVPool._init_kv_copy_and_warmup = lambda self: None
+    exit_stack.callback(setattr, MHATokenToKVPool, "_init_kv_copy_and_warmup", original)
+
+
+def _without_host_registration(exit_stack: contextlib.ExitStack) -> None:
+    """Let SGLang's own host pools allocate on a machine without CUDA, until `exit_stack` closes.
+
+    SGLang pins its host buffers by registering them with the CUDA driver (cudaHostRegister);
+    on a CPU-only machine there is no driver to register with, and pinning changes no byte the
+    cycle checks.  The buffers are left marked as registering nothing, as SGLang marks memory it
+    did not register.
+    """
+    from sglang.srt.mem_cache.pool_host import common
+
+    def unregistered(buffer, registration_granularity_bytes=None):
+        setattr(buffer, common._CUDA_HOST_REGISTERED_RANGES_ATTR, [])
+
+    original = common._cuda_host_register
+    common._cuda_host_register = unregistered
+    exit_stack.callback(setattr, common, "_cuda_host_register", original)
+
+
+class _TreeStandIn:
+    """What `attach_hybrid_pool_to_unified_cache` reads from and writes to SGLang's radix tree.
+
+    UnifiedRadixCache is left out (its module imports the OpenAI protocol package, which the
+    HiCache path does not need); the cycle makes the calls its components make instead.  Pools are
+    sized so nothing is evicted: a call for eviction means the test's arithmetic is wrong.
+    """
+
+    def __init__(self, allocator):
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        self.token_to_kv_pool_allocator = allocator
+        self.components = {ComponentType.FULL: SimpleNamespace(), ComponentType.SWA: SimpleNamespace()}
+        self._enable_metrics_flag = False
+        self.sidecars = []
+
+    def register_sidecar_pool(self, spec) -> None:
+        self.sidecars.append(spec)
+
+    def evict_host(self, num_tokens, component=None):
+        raise AssertionError(f"host eviction of {num_tokens} tokens ({component}): the host pools should not fill")
+
+    def evict_for_alloc(self, params):
+        raise AssertionError(f"device eviction ({params}): the device pools should not fill")
+
+
+# -- The stack -----------------------------------------------------------------------------------
+
+
+@dataclass
+class MimoStack:
+    """MiMo-V2-Flash's HiCache stack for one rank, as SGLang builds it, and what the cycle needs of it."""
+
+    device: str
+    layout: str
+    io: str
+    mtp: bool
+    installed: bool
+    server_args: Any
+    model_config: Any
+    kvcache: Any  # the target's SWAKVPool
+    drafts: tuple  # one SWAKVPool per MTP step, each one SWA layer
+    allocator: Any  # SWATokenToKVPoolAllocator
+    req_to_token_pool: Any
+    params: Any  # CacheInitParams
+    tree: _TreeStandIn
+    group: Any  # HostPoolGroup
+    controller: Any  # HybridCacheController
+    _exit: contextlib.ExitStack = field(repr=False)
+
+    def host_pools(self) -> dict:
+        """Every host pool in the group by pool name (kv = full attention, swa, any draft sidecar)."""
+        return {str(name.value if hasattr(name, "value") else name): entry.host_pool for name, entry in self.group.entry_map.items()}
+
+    def device_buffers(self) -> dict:
+        """Every device K/V layer buffer, keyed (pool, layer, "k"/"v"): full and SWA by model layer, drafts by MTP depth."""
+        buffers = {}
+        for pool, name, layer_ids in ((self.kvcache.full_kv_pool, "full", FULL_LAYERS), (self.kvcache.swa_kv_pool, "swa", SWA_LAYERS)):
+            for local, layer in enumerate(layer_ids):
+                buffers[(name, layer, "k")] = pool.k_buffer[local]
+                buffers[(name, layer, "v")] = pool.v_buffer[local]
+        for depth, draft in enumerate(self.drafts):
+            buffers[("draft", depth, "k")] = draft.swa_kv_pool.k_buffer[0]
+            buffers[("draft", depth, "v")] = draft.swa_kv_pool.v_buffer[0]
+        return buffers
+
+    def close(self) -> None:
+        self._exit.close()
+
+    def __enter__(self) -> MimoStack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _configurator(args, model_config, device: str, *, draft_idx: int | None = None, target=None):
+    """SGLang's KV-cache configurator as a model runner makes it (model_runner.init_kv_cache_configurator).
+
+    The device-memory profile is the one thing replaced: a fixed budget stands in for what a GPU
+    profile finds, and --max-total-tokens caps the pools well below it, so the sizes are SGLang's
+    own arithmetic from there on.  A draft runner shares the target's request pool, allocator and
+    pool sizes, as the speculative worker hands them over.
+    """
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner_components.layer_setup import resolve_layer_indices
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import resolve_spec_aux_hidden_state_config
+    from sglang.srt.runtime_context import get_parallel, get_schedule, get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    class BudgetedConfigurator(KVCacheConfigurator):
+        def _profile_available_bytes(self, pre_model_load_memory: int) -> int:
+            return 1 << 30
+
+    is_draft = draft_idx is not None
+    spec = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
+    return BudgetedConfigurator(
+        device=device,
+        gpu_id=_gpu_id(device) or 0,
+        attn_dp_size=get_parallel().attn_dp_size,
+        pp_size=1,
+        pp_group=None,
+        model=None,  # read only for quantization scales and fused drafts, neither of which MiMo uses here
+        model_config=model_config,
+        server_args=args,
+        kv_cache_dtype=DTYPE,
+        kv_cache_dtype_str="auto",
+        model_dtype=DTYPE,
+        page_size=get_schedule().page_size,
+        sliding_window_size=model_config.sliding_window_size,
+        spec_algorithm=spec,
+        is_draft_worker=is_draft,
+        post_capture_kv_active=False,
+        spec_aux_config=resolve_spec_aux_hidden_state_config(server_args=args, model_config=model_config, spec_algorithm=spec, is_draft_worker=is_draft),
+        is_hybrid_swa=model_config.is_hybrid_swa,
+        is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
+        use_mla_backend=False,
+        layer_info=resolve_layer_indices(model=None, model_config=model_config, is_draft_worker=is_draft, draft_model_idx=draft_idx),
+        forward_stream=None,
+        req_to_token_pool=target.req_to_token_pool if target else None,
+        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator if target else None,
+        memory_pool_config=target.memory_pool_config if target else None,
+        draft_model_idx=draft_idx,
+    )
+
+
+def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool, workdir: Path | None = None, storage: bool = False) -> MimoStack:
+    """Build MiMo-V2-Flash's HiCache stack the way SGLang's scheduler does, on `device`.
+
+    `installed` puts portable_kv in as SGLang's MHA host-pool class first (and takes it out on
+    close); otherwise the host pools are SGLang's own.  `mtp` adds the three MTP draft runners' pools,
+    packed into the SWA host pool.  `storage` attaches SGLang's HiCacheFile tier under `workdir`.
+    The returned stack holds the published runtime context until it is closed.
+
+    On CPU, what SGLang's own pools need of CUDA is stood in for (`CpuKvcacheio`,
+    `_without_host_registration`, `_without_triton_warmup`); on a CUDA device nothing is, so
+    SGLang's own host pools need sgl_kernel there.
+    """
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import attach_hybrid_pool_to_unified_cache
+    from sglang.srt.runtime_context import get_memory, get_spec, reset_context
+
+    import portable_kv.sglang as pk_sglang
+
+    exit_stack = contextlib.ExitStack()
+    try:
+        if workdir is None:
+            workdir = Path(tempfile.mkdtemp(prefix="mimo-stack-"))
+            exit_stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        model_dir = write_model_config(workdir / "MiMo-V2-Flash-6L")
+        args = server_args(model_dir, device, layout, io, mtp=mtp, storage_dir=workdir / "hicache" if storage else None)
+        publish_rank_zero(args, device)
+        exit_stack.callback(reset_context)
+        if device == "cpu":
+            _without_triton_warmup(exit_stack)
+
+        model_config = ModelConfig.from_server_args(args)
+        target = _configurator(args, model_config, device).configure(pre_model_load_memory=0)
+        drafts = ()
+        if mtp:
+            # The draft worker's runners, one per MTP step, on the draft form of the same checkpoint.
+            draft_config = ModelConfig.from_server_args(args, is_draft_model=True)
+            drafts = tuple(
+                _configurator(args, draft_config, device, draft_idx=depth, target=target).configure(pre_model_load_memory=0).token_to_kv_pool
+                for depth in range(get_spec().speculative_num_steps)
+            )
+
+        kvcache, allocator = target.token_to_kv_pool, target.token_to_kv_pool_allocator
+        if device == "cpu":
+            buffers = [b for pool in (kvcache.full_kv_pool, kvcache.swa_kv_pool, *(d.swa_kv_pool for d in drafts)) for b in (*pool.k_buffer, *pool.v_buffer)]
+            CpuKvcacheio(buffers).bind(exit_stack)
+            _without_host_registration(exit_stack)
+        if installed:
+            pk_sglang.install()
+            exit_stack.callback(pk_sglang.uninstall)
+
+        # What kv_cache_builder hands the tree (its CacheInitParams), and the tree's init_hicache:
+        # parse the storage settings, then attach the host pools and the controller.
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=target.req_to_token_pool,
+            token_to_kv_pool_allocator=allocator,
+            page_size=PAGE,
+            is_eagle=mtp,
+            sliding_window_size=model_config.sliding_window_size,
+            mtp_draft_device_pools=drafts,  # the packed plan of _build_hicache_draft_plan
+        )
+        storage_backend = get_memory().hicache_storage_backend
+        extra_config, prefetch_threshold = None, 256
+        if storage_backend is not None:
+            extra_config, prefetch_threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(get_memory().hicache_storage_backend_extra_config)
+        tree = _TreeStandIn(allocator)
+        attach_hybrid_pool_to_unified_cache(
+            tree,
+            params,
+            args,
+            load_cache_event=threading.Event(),
+            storage_backend=storage_backend,
+            storage_extra_config=extra_config,
+            storage_prefetch_threshold=prefetch_threshold,
+        )
+        controller = tree.cache_controller
+        stack = MimoStack(
+            device=device,
+            layout=get_memory().hicache_mem_layout,
+            io=get_memory().hicache_io_backend,
+            mtp=mtp,
+            installed=installed,
+            server_args=args,
+            model_config=model_config,
+            kvcache=kvcache,
+            drafts=drafts,
+            allocator=allocator,
+            req_to_token_pool=target.req_to_token_pool,
+            params=params,
+            tree=tree,
+            group=tree.host_pool_group,
+            controller=controller,
+            _exit=exit_stack,
+        )
+        for pool in stack.host_pools().values():
+            if hasattr(pool, "destroy"):
+                exit_stack.callback(pool.destroy)
+        if storage_backend is not None:  # its threads stop before the host pools go
+            exit_stack.callback(controller.detach_storage_backend)
+        return stack
+    except BaseException:
+        exit_stack.close()
+        raise
+
+
+# -- The cycle -----------------------------------------------------------------------------------
+
+
+@dataclass
+class CycleReport:
+    """What one cycle did, for assertions beyond bit-exactness."""
+
+    tokens: int
+    written_full: torch.Tensor
+    written_swa: torch.Tensor
+    loaded_full: torch.Tensor
+    loaded_swa: torch.Tensor
+    # (pool name, host layer, is_draft, device pool) per per-layer load call, in the engine's order
+    layer_calls: list = field(default_factory=list)
+
+
+def _random_bits(shape, generator) -> torch.Tensor:
+    return torch.randint(-(2**15), 2**15, shape, generator=generator, dtype=torch.int16)
+
+
+def _fill(buffer: torch.Tensor, rows: torch.Tensor | None, generator) -> None:
+    """Random bits into `rows` of a device layer buffer (all rows if None); bf16 viewed as int16."""
+    view = buffer.view(torch.int16)
+    if rows is None:
+        view.copy_(_random_bits(view.shape, generator))
+    else:
+        view[rows.to(buffer.device)] = _random_bits((len(rows), *view.shape[1:]), generator).to(buffer.device)
+
+
+def _rows_of(key, full: torch.Tensor, swa: torch.Tensor) -> torch.Tensor:
+    return full if key[0] == "full" else swa
+
+
+def _alloc_request(stack: MimoStack, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device rows for one new request's prefill, as the scheduler allocates them: full rows, and their SWA peers."""
+    zero = torch.zeros(1, dtype=torch.int64)
+    seq = torch.tensor([tokens], dtype=torch.int64)
+    last = torch.full((1,), -1, dtype=torch.int64)
+    dev = stack.kvcache.device
+    full = stack.allocator.alloc_extend(zero.to(dev), zero, seq.to(dev), seq, last.to(dev), tokens)
+    assert full is not None, "the device pool should hold the request"
+    swa = stack.allocator.translate_swa_indices_for_transfer(full).to(torch.int64)
+    return full, swa
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _record_layer_calls(stack: MimoStack, calls: list, exit_stack: contextlib.ExitStack) -> None:
+    """Log every per-layer load the transfer engine makes, on each host pool, until `exit_stack` closes."""
+    for name, pool in stack.host_pools().items():
+        original = pool.load_to_device_per_layer_physical
+
+        def recorded(device_pool, host_indices, device_indices, layer_id, io_backend, *, _name=name, _original=original, **kwargs):
+            calls.append((_name, layer_id, bool(kwargs.get("is_draft", False)), device_pool))
+            return _original(device_pool, host_indices, device_indices, layer_id, io_backend, **kwargs)
+
+        pool.load_to_device_per_layer_physical = recorded
+        exit_stack.callback(delattr, pool, "load_to_device_per_layer_physical")
+
+
+def _wait(ack) -> None:
+    ack.finish_event.synchronize()
+
+
+def _write_to_host(stack: MimoStack, full: torch.Tensor, swa: torch.Tensor):
+    """The tree's host backup of a node (BACKUP_HOST): full rows through the anchor, SWA rows as the SWA pool's transfer."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    swa_transfer = PoolTransfer(name=PoolName.SWA, device_indices=swa)
+    kv_host = stack.controller.write(full, extra_pools=[swa_transfer])
+    assert kv_host is not None, "the host pools should hold the request"
+    assert swa_transfer.host_indices is not None and len(swa_transfer.host_indices) == len(swa)
+    _wait(stack.controller.ack_write_queue.pop())
+    return kv_host, swa_transfer.host_indices
+
+
+def _load_and_check(stack: MimoStack, kv_host: torch.Tensor, swa_host: torch.Tensor, originals: dict, report: CycleReport, generator) -> None:
+    """Load host rows into fresh device rows layer by layer, as the forward pass consumes them, and check every buffer."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    buffers = stack.device_buffers()
+    # The freed rows go to other requests before this one comes back: scribble on them, so a
+    # load that writes nothing cannot pass on stale bits.
+    for key, buffer in buffers.items():
+        _fill(buffer, _rows_of(key, report.written_full, report.written_swa), generator)
+    before = {key: buffer.clone() for key, buffer in buffers.items()}
+
+    swa_load = PoolTransfer(name=PoolName.SWA, host_indices=swa_host)
+    loaded_full = stack.controller.load(kv_host, extra_pools=[swa_load])
+    assert loaded_full is not None and swa_load.device_indices is not None
+    report.loaded_full, report.loaded_swa = loaded_full, swa_load.device_indices.to(torch.int64)
+
+    with contextlib.ExitStack() as recording:
+        _record_layer_calls(stack, report.layer_calls, recording)
+        producer = stack.controller.start_loading()
+        assert producer >= 0
+        # The scheduler points the forward batch at this load; each attention layer then reads its
+        # buffers through the pool, which waits for that layer's event first.
+        stack.controller.layer_done_counter.set_consumer(producer)
+        for layer in range(len(FULL_LAYERS) + len(SWA_LAYERS)):
+            stack.kvcache.get_key_buffer(layer)
+            stack.kvcache.get_value_buffer(layer)
+            kind = "full" if layer in FULL_LAYERS else "swa"
+            rows = report.loaded_full if kind == "full" else report.loaded_swa
+            for part in ("k", "v"):
+                got = buffers[(kind, layer, part)][rows.to(stack.kvcache.device)]
+                assert _equal(got, originals[(kind, layer, part)]), f"{kind} layer {layer} {part.upper()}: loaded rows differ from the written ones"
+        # Draft runners run after the target's forward, which has waited for every layer.
+        for depth in range(len(stack.drafts)):
+            for part in ("k", "v"):
+                got = buffers[("draft", depth, part)][report.loaded_swa.to(stack.kvcache.device)]
+                assert _equal(got, originals[("draft", depth, part)]), f"MTP draft {depth} {part.upper()}: loaded rows differ from the written ones"
+        _wait(stack.controller.ack_load_queue.pop())
+
+    for key, buffer in buffers.items():
+        expected = before[key].clone()
+        expected[_rows_of(key, report.loaded_full, report.loaded_swa).to(buffer.device)] = originals[key]
+        assert _equal(buffer, expected), f"{key}: a row outside the loaded ones changed"
+
+
+def _write_request(stack: MimoStack, tokens: int, generator) -> tuple[CycleReport, dict]:
+    """Allocate and fill one request's device rows (every layer, drafts too); the report and the written bits."""
+    buffers = stack.device_buffers()
+    for buffer in buffers.values():  # the whole device pool holds other requests' bits
+        _fill(buffer, None, generator)
+    full, swa = _alloc_request(stack, tokens)
+    originals = {key: buffer[_rows_of(key, full, swa).to(buffer.device)].clone() for key, buffer in buffers.items()}
+    report = CycleReport(tokens=tokens, written_full=full, written_swa=swa, loaded_full=full, loaded_swa=swa)
+    return report, originals
+
+
+def _evict_host(stack: MimoStack, kv_host: torch.Tensor, swa_host: torch.Tensor, free_before: dict) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    assert stack.controller.evict_host(kv_host) == len(kv_host)
+    stack.group.free(swa_host, pool=PoolName.SWA)
+    assert _host_free(stack) == free_before, "evicting the host copy should give every host slot back"
+
+
+def _host_free(stack: MimoStack) -> dict:
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    return {name: stack.group.available_size(pool=name) for name in (PoolName.KV, PoolName.SWA)}
+
+
+def run_cycle(stack: MimoStack, *, pages: int = 5, seed: int = 0) -> CycleReport:
+    """write -> free device -> load (per layer, waited as a forward pass waits) -> evict_host, checked bit for bit.
+
+    Raises AssertionError naming the pool, layer and K/V side of the first mismatch, or the first
+    buffer where a row outside the loaded ones changed.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tokens = pages * PAGE
+    report, originals = _write_request(stack, tokens, generator)
+    free_before = _host_free(stack)
+
+    kv_host, swa_host = _write_to_host(stack, report.written_full, report.written_swa)
+    stack.allocator.free(report.written_full)  # the request finished; its device rows go back
+    _load_and_check(stack, kv_host, swa_host, originals, report, generator)
+    _evict_host(stack, kv_host, swa_host, free_before)
+    return report
+
+
+def run_file_cycle(stack: MimoStack, *, pages: int = 5, seed: int = 1, timeout: float = 60.0) -> CycleReport:
+    """write -> back up to HiCacheFile -> evict host (host bits wiped) -> prefetch from the files -> load, checked bit for bit.
+
+    The calls are the radix tree's: BACKUP_STORAGE writes the full pages and the SWA pool's trailing
+    pages under the request's page hashes; a prefetch queries the tier, takes host rows for the hit
+    and SWA staging for the trailing pages, and reads them back.
+    """
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    controller = stack.controller
+    assert controller.enable_storage, "build the stack with storage=True"
+    generator = torch.Generator().manual_seed(seed)
+    tokens = pages * PAGE
+    report, originals = _write_request(stack, tokens, generator)
+    free_before = _host_free(stack)
+    kv_host, swa_host = _write_to_host(stack, report.written_full, report.written_swa)
+    stack.allocator.free(report.written_full)
+
+    token_ids = torch.randint(0, MIMO_V2_FLASH_CONFIG["vocab_size"], (tokens,), generator=generator).tolist()
+    hashes = get_storage_hash_str(token_ids, None, page_size=PAGE)
+    assert len(hashes) == pages
+    swa_backup = PoolTransfer(name=PoolName.SWA, host_indices=swa_host, keys=list(hashes), hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    controller.write_storage(kv_host, token_ids, hash_value=list(hashes), extra_pools=[swa_backup])
+    backup = controller.ack_backup_queue.get(timeout=timeout)
+    assert backup.completed_tokens == tokens, f"backed up {backup.completed_tokens} of {tokens} tokens to the file tier"
+    assert _swa_pages(backup.pool_storage_result.extra_pool_hit_pages) == pages, f"SWA pages backed up: {backup.pool_storage_result.extra_pool_hit_pages}"
+
+    _evict_host(stack, kv_host, swa_host, free_before)
+    for pool in stack.host_pools().values():  # nothing may come back from host memory
+        for buffer in (pool.k_buffer, pool.v_buffer):
+            buffer.view(torch.int16).fill_(0x5A5A)
+
+    swa_fetch = PoolTransfer(name=PoolName.SWA, keys=["__placeholder__"] * pages, hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    operation = controller.prefetch(CacheRequestHandle(rid="mimo", attempt_id=0), token_ids, None, None, extra_pools=[swa_fetch])
+    hit = controller.prefetch_hit_queue.get(timeout=timeout)
+    assert hit is operation and operation.storage_hit_count == tokens, f"file tier hit {operation.storage_hit_count} of {tokens} tokens"
+    host, length = controller.allocate_storage_hit(operation, tokens, allow_partial=False, min_tokens=0, evict_host=stack.tree.evict_host)
+    assert host is not None and length == tokens
+    # The SWA component stages the trailing window pages in its own host pool (alloc_prefetch_staging).
+    swa_fetch.host_indices = stack.group.get_pool(PoolName.SWA).alloc(pages * PAGE)
+    assert swa_fetch.host_indices is not None
+    operation.host_indices = host
+    controller.prefetch_buffer.put(operation)
+    # The prefetch threads report progress as acks, the last one marking the request complete.
+    completed, pool_hits = 0, {}
+    while True:
+        ack = controller.ack_prefetch_queue.get(timeout=timeout)
+        completed = max(completed, ack.completed_tokens or 0)
+        pool_hits.update(ack.pool_hits or {})
+        if ack.completed_req:
+            break
+    assert completed == tokens, f"prefetched {completed} of {tokens} tokens from the file tier"
+    assert _swa_pages(pool_hits) == pages, f"SWA pages prefetched: {pool_hits}"
+
+    _load_and_check(stack, host, swa_fetch.host_indices, originals, report, generator)
+    _evict_host(stack, host, swa_fetch.host_indices, free_before)
+    return report
+
+
+def _swa_pages(pool_hits: dict) -> int | None:
+    """The SWA pool's page count in a per-pool hit map (keyed by pool name or its string)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    for key, pages in pool_hits.items():
+        if key in (PoolName.SWA, PoolName.SWA.value):
+            return pages
+    return None

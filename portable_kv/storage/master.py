@@ -21,6 +21,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from . import mooncake_logs
+
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
@@ -110,7 +112,8 @@ class MooncakeMaster:
             *self.extra_args,
         ]
         self._log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = mooncake_logs.master_environment(args)
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         # Detached from the terminal's process group: a Ctrl-C never reaches it, so this object stops it,
         # also when dropped without stop() or at interpreter exit.
         self._finalizer = weakref.finalize(self, _terminate, self.process, self._log)

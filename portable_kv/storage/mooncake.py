@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from . import mooncake_logs
 from .base import PageStore
 from .master import answers, split_address
 
@@ -118,6 +119,7 @@ class MooncakeStore(PageStore):
                 f"segment_size_gb: expected 0 or at least {max(MIN_SEGMENT_BYTES, largest) / (1 << 30):.4f} GiB "
                 f"(Mooncake's minimum segment, and one page's K block of {self.k_page_bytes} bytes must fit), got {segment_size_gb}"
             )
+        mooncake_logs.client_environment()
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:

@@ -177,6 +177,8 @@ def test_with_the_master_gone_calls_fail_at_once_until_it_is_back(own_master, mo
     print(f"first failed call {first:.3f} s; slowest later calls {', '.join(f'{k} {v * 1000:.1f} ms' for k, v in slowest.items())}; used again after {back} s")
     assert back is not None, f"the restarted master was not used again within {RECOVER_S:.0f} s"
     assert not store.master_unreachable
+    # The restarted master starts empty: the pages stored before it went away are gone.
+    assert store.exists(keys) == 0
     for source, target in ((3, 20), (4, 21)):
         assert all(torch.equal(a, b) for a, b in zip(page_bytes(host, source), page_bytes(host, target)))
     prober = store._prober

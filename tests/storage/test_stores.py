@@ -237,3 +237,25 @@ def test_an_interrupted_local_write_leaves_no_partial_file(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == [], "a partial file outlived the interrupted write"
     store.close()
     host.close()
+
+
+@pytest.mark.skipif(MOONCAKE_MISSING, reason="Mooncake is not installed")
+def test_closing_a_mooncake_store_takes_the_pages_in_its_segment_away(master, tmp_path):
+    """A segment is its client's memory: once that client closes, no other client reads the pages in it."""
+    _, written = make_host(seed=1)
+    _, read = make_host(seed=2)
+    keys = unique_keys(2)
+    expected = page_bytes(written, 1)
+    writer = open_store("mooncake", written, tmp_path, master)
+    with open_store("mooncake", read, tmp_path, master, segment_size_gb=0) as reader:
+        assert writer.put(keys, page_tokens(torch.tensor([1, 2]), written.page_size)) == [True, True]
+        assert reader.exists(keys) == 2
+        assert reader.get(keys[:1], page_tokens(torch.tensor([3]), read.page_size)) == [True]
+        assert all(torch.equal(a, b) for a, b in zip(page_bytes(read, 3), expected))
+        writer.close()
+        before = pool_bytes(read)
+        assert reader.exists(keys) == 0
+        assert reader.get(keys, page_tokens(torch.tensor([4, 5]), read.page_size)) == [False, False]
+        assert changed_pages(read, before) == set()
+    written.close()
+    read.close()

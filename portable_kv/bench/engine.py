@@ -18,7 +18,14 @@ causal; to the window on SWA layers; its scores and values read from the device 
 the router and the active experts' FFN (top-k experts at moe_intermediate_size).
 Softmax, norms, RoPE and the MoE's dispatch are left out, and so are the weight reads
 of the experts that a batch of tokens touches beyond the top-k FLOPs: the real layer is
-slower, so it would hide more of each load than this one does.
+slower, so it would hide more of each load than this one does.  FLOPs of a layer, for N new
+tokens after P cached ones, on one GPU (h hidden, q query heads, kv KV heads, dk/dv head dims):
+    2·N·h·(q·dk + kv·(dk + dv))   QKV projection
+  + 2·q·(dk + dv)·keys            scores and values; keys = N·P + N(N+1)/2 on a full layer,
+                                  the sum of min(window, P + i + 1) over the new tokens on SWA
+  + 2·N·q·dv·h                    output projection
+  + 2·N·h·experts                 router (MoE layers)
+  + 6·N·h·I                       gate, up and down; I = top_k x the expert's width (MoE), or the dense width
 
 Per cached prefix and new-token count, per backend and io path: prefill (loads and
 forward together), the forward alone, the loads alone, the load time left exposed
@@ -38,6 +45,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
@@ -263,7 +271,10 @@ class Forward:
         self.w_down = {w: randn(w, h) for w in widths}
         self._rows = 0
         self.x = self.attn = self.act = self.query = None
-        self._compiled: dict[tuple[int, int, int], list[list[Callable[[], object]]]] = {}
+        self._layers: dict[tuple[int, int, int], list[Callable[[], object]]] = {}
+        # One memory pool for every layer's graph: they replay one at a time, and what a graph
+        # allocates (score tiles, outputs) is freed inside it, so one tile's memory serves all.
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
     def _workspace(self, rows: int, query_rows: int) -> None:
         m = self.model
@@ -275,11 +286,37 @@ class Forward:
         if self.query is None or query_rows > self.query.shape[0]:
             self.query = self._randn(query_rows, max(m.k_dim, m.swa_k_dim))
 
-    def compile(self, kv: list[tuple[torch.Tensor, torch.Tensor]], prefix: int, new: int) -> list[list[Callable[[], object]]]:
-        """Per layer, the calls of its matmuls; views made once, so a call costs a launch."""
+    def layers(self, kv: list[tuple[torch.Tensor, torch.Tensor]], prefix: int, new: int) -> list[Callable[[], object]]:
+        """Per layer, one call that enqueues its matmuls for `new` tokens after `prefix`, reading
+        K and V from `kv` (per layer: the device pool's K and V buffers).
+
+        On a GPU each layer's matmuls replay as one CUDA graph: the emulation's matmuls are
+        more and smaller launches than an engine's fused kernels, and issued one by one from
+        Python they kept the GPU waiting on the host (on the H200, a forward of 512 new tokens
+        took as long to enqueue as to run)."""
         key = (id(kv), prefix, new)
-        if key in self._compiled:
-            return self._compiled[key]
+        if key not in self._layers:
+            layers = self._calls(kv, prefix, new)
+            self._layers[key] = self._graphs(layers) if self._pool is not None else [partial(run_layer, calls) for calls in layers]
+        return self._layers[key]
+
+    def _graphs(self, layers: list[list[Callable[[], object]]]) -> list[Callable[[], object]]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # once outside capture: cuBLAS chooses its kernels and workspace
+            for calls in layers:
+                run_layer(calls)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = []
+        for calls in layers:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                run_layer(calls)
+            graphs.append(graph)
+        return [graph.replay for graph in graphs]
+
+    def _calls(self, kv: list[tuple[torch.Tensor, torch.Tensor]], prefix: int, new: int) -> list[list[Callable[[], object]]]:
+        """Per layer, the calls of its matmuls; views made once, so a call costs a launch."""
         m = self.model
         plans = [layer_plan(m, i, prefix, new) for i in range(m.layers)]
         self._workspace(new, max((op.m for plan in plans for op in plan if op.op == "qk"), default=1))
@@ -304,12 +341,11 @@ class Forward:
                 else:
                     calls.append(_mm(self.act[: op.m, : op.k], self.w_down[op.k]))
             layers.append(calls)
-        self._compiled[key] = layers
         return layers
 
     def forget(self) -> None:
-        """Drop the compiled views (they hold the device pools' buffers)."""
-        self._compiled.clear()
+        """Drop the layers' graphs and views (they hold the device pools' buffers)."""
+        self._layers.clear()
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
@@ -425,7 +461,7 @@ class Engine:
         self.pools, self.side, self.io, self.gpu = pools, side, io, gpu
         device = pools.dev[True].device
         self.idx = side.indices(io, device)
-        self.layers = forward.compile(pools.kv, pools.prefix, pools.new)
+        self.layers = forward.layers(pools.kv, pools.prefix, pools.new)
         n = pools.model.layers
         # SGLang's controller: its own load stream, an event per layer (LayerDoneCounter).
         self.stream = torch.cuda.Stream(device) if gpu else None
@@ -453,8 +489,8 @@ class Engine:
         """Every load enqueued first, then the forward; layer i waits for its own load only."""
         if not self.gpu:
             self.loads()
-            for calls in self.layers:
-                run_layer(calls)
+            for layer in self.layers:
+                layer()
             return
         current = torch.cuda.current_stream()
         self.stream.wait_stream(current)  # the previous forward's reads of these slots come first
@@ -462,9 +498,9 @@ class Engine:
             for i, event in enumerate(self.events):
                 self.load(i)
                 event.record(self.stream)
-        for event, calls in zip(self.events, self.layers):
+        for event, layer in zip(self.events, self.layers):
             current.wait_event(event)
-            run_layer(calls)
+            layer()
 
     def clear_loaded(self) -> None:
         """Overwrite the prefix's device slots, so that a check after the loads sees their data."""
@@ -565,16 +601,16 @@ def _measure(clock: Clock, sizes: list[int], names: list[str], reps: int, quick:
         full_bytes, swa_bytes = pools.bytes()
         total = full_bytes + swa_bytes
         progress(f"  prefix {prefix} + {new} new: {total / 1e6:.1f} MB a prefill ({full_bytes / 1e6:.1f} full, {swa_bytes / 1e6:.2f} SWA)")
-        layers = forward.compile(pools.kv, prefix, new)
-        compute_s, _ = clock.time(lambda layers=layers: [run_layer(c) for c in layers], reps)
-        last_s, _ = clock.time(lambda layers=layers: run_layer(layers[-1]), reps)
-        chunks = [forward.compile(pools.kv, p, n) for p, n in recompute_chunks(model, prefix + new)]
+        layers = forward.layers(pools.kv, prefix, new)
+        compute_s, compute_host_s = clock.time(lambda layers=layers: [layer() for layer in layers], reps)
+        last_s, _ = clock.time(layers[-1], reps)
+        chunks = [forward.layers(pools.kv, p, n) for p, n in recompute_chunks(model, prefix + new)]
         progress(f"  recompute of {prefix + new} tokens in {len(chunks)} chunk(s)")
-        recompute_s, _ = clock.time(lambda chunks=chunks: [run_layer(c) for layers in chunks for c in layers], max(3, reps // 4), warmup=1)
+        recompute_s, _ = clock.time(lambda chunks=chunks: [layer() for layers in chunks for layer in layers], max(3, reps // 4), warmup=1)
         first_bytes = pools.dev_idx[model.is_full(0)].numel() * model.token_layer_bytes(model.is_full(0))
         limit = bound(compute_s, first_bytes / rate, total / rate, last_s)
         common = {"prefix": prefix, "new": new, "bytes_loaded": total, "full_bytes": full_bytes, "swa_bytes": swa_bytes,
-                  "compute_ms": compute_s * 1e3, "last_layer_ms": last_s * 1e3, "recompute_ms": recompute_s * 1e3,
+                  "compute_ms": compute_s * 1e3, "compute_host_ms": compute_host_s * 1e3, "last_layer_ms": last_s * 1e3, "recompute_ms": recompute_s * 1e3,
                   "bound_ms": limit * 1e3, "device_pool_mb": pools.device_bytes() / 1e6, **flops_summary(model, prefix, new)}
         for name in names:
             backend = backends.use(name)
@@ -583,7 +619,7 @@ def _measure(clock: Clock, sizes: list[int], names: list[str], reps: int, quick:
                 for io in (io for io in IOS if io in backend.io_backends):
                     engine = Engine(pools, side, forward, io, gpu)
                     engine.clear_loaded()
-                    loads_s, _ = clock.time(engine.loads, reps)
+                    loads_s, loads_host_s = clock.time(engine.loads, reps)
                     verified = engine.loaded_correctly()
                     prefill_s, host_s = clock.time(engine.prefill, reps)
                     progress(f"    {name} {io}: prefill {prefill_s * 1e3:.2f} ms, forward alone {compute_s * 1e3:.2f}, "
@@ -592,6 +628,7 @@ def _measure(clock: Clock, sizes: list[int], names: list[str], reps: int, quick:
                     rows.append(Row(SECTION, f"{name} {io}", "h2d", page_size, eff, percent(eff, ceil, "h2d"),
                                     host_s * 1e6, extra={**common, "io": io, "backend": name, "prefill_ms": prefill_s * 1e3,
                                                          "loads_ms": loads_s * 1e3, "exposed_ms": (prefill_s - compute_s) * 1e3,
+                                                         "prefill_host_ms": host_s * 1e3, "loads_host_ms": loads_host_s * 1e3,
                                                          "prefill_vs_bound": prefill_s / limit, "vs_recompute": recompute_s / prefill_s,
                                                          "host_pool_mb": side.host_bytes() / 1e6, "verified": verified}))
                     del engine
@@ -663,24 +700,26 @@ def header(rows: list, meta: dict) -> list[str]:
 
 
 LEGEND = ("prefill: loads on the load stream and the forward on the model's stream, layer i waiting for its own load; forward: the "
-          "forward alone; loads: every layer's load alone; exposed: prefill - forward; GB/s: bytes loaded / loads alone "
+          "forward alone (on a GPU each layer's matmuls as one CUDA graph); loads: every layer's load alone; exposed: prefill - forward; GB/s: bytes loaded / loads alone "
           "(%ceil: of the H2D bulk memcpy); recompute: the whole prefix + new tokens computed, in chunked-prefill chunks; "
           "bound: max(forward + first layer's load, all loads at the ceiling + last layer's compute); x bound: prefill / bound; "
-          "x faster: recompute / prefill; ok: every loaded slot held the host's K and V after the loads; medians, ms.")
+          "x faster: recompute / prefill; host: the host's time to enqueue the prefill, of it issue: the loads' (all layers); "
+          "ok: every loaded slot held the host's K and V after the loads; medians, ms.")
 
 
 def table(rows: list, meta: dict) -> str:
     """The section's terminal table: the header says where every number comes from."""
     lines = header(rows, meta) + [""]
     lines.append(f"{'path':<16} {'prefix':>7} {'new':>5} {'MB':>8} {'prefill':>9} {'forward':>9} {'loads':>8} {'exposed':>8} {'GB/s':>7} "
-                 f"{'%ceil':>6} {'recompute':>10} {'bound':>8} {'x bound':>8} {'x faster':>9} {'ok':>3}")
+                 f"{'%ceil':>6} {'recompute':>10} {'bound':>8} {'x bound':>8} {'x faster':>9} {'host':>8} {'issue':>7} {'ok':>3}")
     for r in rows:
         e = r.extra
         if "prefill_ms" not in e:
             continue
         lines.append(f"{r.name:<16} {e['prefix']:>7} {e['new']:>5} {e['bytes_loaded'] / 1e6:>8.2f} {e['prefill_ms']:>9.3f} {e['compute_ms']:>9.3f} "
                      f"{e['loads_ms']:>8.3f} {e['exposed_ms']:>8.3f} {r.gbps:>7.1f} {r.pct_ceiling or 0:>6.1f} {e['recompute_ms']:>10.2f} "
-                     f"{e['bound_ms']:>8.3f} {e['prefill_vs_bound']:>8.2f} {e['vs_recompute']:>9.1f} {'yes' if e['verified'] else 'NO':>3}")
+                     f"{e['bound_ms']:>8.3f} {e['prefill_vs_bound']:>8.2f} {e['vs_recompute']:>9.1f} {e['prefill_host_ms']:>8.3f} "
+                     f"{e['loads_host_ms']:>7.3f} {'yes' if e['verified'] else 'NO':>3}")
     lines += ["", LEGEND, ""]
     lines += [break_even_line(r) for r in rows if "break_even_tokens" in r.extra]
     return "\n".join(lines)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from portable_kv import backends
 from portable_kv.bench import engine
 from portable_kv.bench.engine import CPU_MODEL, CPU_QUICK, MIMO_V2_FLASH
 from portable_kv.cli import main
@@ -29,7 +31,7 @@ def prefill_bytes(model: engine.Model, prefix: int, page_size: int) -> tuple[int
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("engine") / "engine.json"
-    assert main(["bench", "--section", "engine", "--quick", "--backends", "cpu", "--page-size", "16", "--reps", "2", "--json", str(path)]) == 0
+    assert main(["bench", "--section", "engine", "--quick", "--backends", "cpu", "--page-size", "16", "--reps", "3", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     return path, data["rows"], data["meta"]
 
@@ -67,9 +69,9 @@ def test_cpu_run_times_against_the_bound(cpu_run):
         assert e["bound_ms"] >= e["compute_ms"] and e["bound_ms"] / 1e3 >= e["bytes_loaded"] / rate
         assert e["prefill_vs_bound"] == pytest.approx(e["prefill_ms"] / e["bound_ms"], rel=1e-6)
         assert e["exposed_ms"] == pytest.approx(e["prefill_ms"] - e["compute_ms"], abs=1e-9)
-        # On the CPU the prefill is the loads then the forward, so it takes at least the forward;
-        # half of it leaves room for a shared runner's noise and still fails a prefill that skipped it.
-        assert e["prefill_ms"] >= 0.5 * e["compute_ms"]
+        # On the CPU the prefill is the loads then the forward, so it takes at least the forward; a
+        # third leaves room for a busy runner's noise (0.6 seen).  What it runs: test_cpu_prefill_schedule.
+        assert e["prefill_ms"] >= e["compute_ms"] / 3
         # recomputing the prefix does more work than the cache hit's forward
         assert e["gflop_recompute"] > e["gflop_forward"]
 
@@ -81,6 +83,31 @@ def test_cpu_table_says_where_numbers_come_from_and_rerenders(cpu_run, capsys):
     assert "not meaningful" in out and "source, scaled" in out and "window 16" in out
     assert "FLOPs per layer, prefix 256 + 32 new" in out and "at the measured link rate" in out
     assert out.count("\ncpu kernel ") == len(CPU_QUICK)
+
+
+def test_cpu_prefill_schedule():
+    """Every layer's load, then every layer's forward, once each, in layer order; the loads bring
+    the host's K and V into the prefix's device slots of both pools."""
+    before = backends.current().name
+    backends.use("cpu")
+    pools = engine.Pools(CPU_MODEL, 16, 64, 16, torch.device("cpu"))
+    side = engine.HostSide(pools)
+    try:
+        run = engine.Engine(pools, side, engine.Forward(CPU_MODEL, torch.device("cpu")), "kernel", gpu=False)
+        events = []
+        loads = [(full, j) for full, j in (pools.slot[i] for i in range(CPU_MODEL.layers))]
+        run.load = lambda i, load=run.load: (events.append(("load", i)), load(i))
+        run.layers = [lambda i=i, layer=layer: (events.append(("layer", i)), layer()) for i, layer in enumerate(run.layers)]
+        run.clear_loaded()
+        assert not run.loaded_correctly()
+        run.prefill()
+        assert events == [("load", i) for i in range(CPU_MODEL.layers)] + [("layer", i) for i in range(CPU_MODEL.layers)]
+        assert run.loaded_correctly()
+        assert [full for full, _ in loads] == [True, False, False, False, False, True]  # layers 0 and 5 are full
+        assert pools.bytes() == prefill_bytes(CPU_MODEL, 64, 16)
+    finally:
+        side.close()
+        backends.use(before)
 
 
 def test_mimo_geometry_per_gpu():

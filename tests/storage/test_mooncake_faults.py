@@ -127,9 +127,9 @@ def test_master_killed_during_a_batch_and_between_calls(own_master):
 def test_with_the_master_gone_calls_fail_at_once_until_it_is_back(own_master, monkeypatch):
     """Measured with 0.3.13 on loopback, master SIGKILLed: before the store marked the master
     unreachable, each get or lookup after the first two waited ~4.4 s and each put ~8.8 s (a
-    16-batch staged read up to 71 s).  Now the first failed call marks it, every later call returns
-    per-page False at once (< 1 ms measured) and a master restarted on the same port is used again
-    ~1.5-2 s after it starts (`pytest -s` prints the figures)."""
+    16-batch staged read 66-71 s).  Now the first failed call marks it, every later call returns
+    per-page False at once (~1 ms measured, the first staged get 10-55 ms) and a master restarted
+    on the same port is used again 0.6-2 s after it starts (`pytest -s` prints the figures)."""
     # One page per staging chunk: a staged call of 16 pages makes 16 calls into the client.
     monkeypatch.setattr(base, "STAGING_BYTES", 1)
     _, host = make_host("layer_first", tokens=128, page_size=8)

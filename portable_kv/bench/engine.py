@@ -635,7 +635,7 @@ def _measure(clock: Clock, sizes: list[int], names: list[str], reps: int, quick:
             finally:
                 side.close()
         forward.forget()
-        del pools
+        del pools, layers, chunks  # the graphs and the pools go before the next row's are made
         if gpu:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

@@ -1,8 +1,14 @@
 """The documentation holds: the README's first example runs, every setting is
-documented, and every repository file the docs name exists."""
+documented, every repository file the docs name exists, and every benchmark
+number the docs quote is generated from the results file it comes from.
+
+`python tests/unit/test_readme.py` prints the generated tables, to paste into
+the README and docs/PERFORMANCE.md after a new run lands in bench_results/.
+"""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,6 +19,7 @@ import pytest
 from portable_kv import config
 
 ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench_results"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench_results" / "README.md"]
 
 # Paths the docs name on purpose that are not files of this repository: SGLang's
@@ -49,7 +56,7 @@ def named_paths(text: str) -> set[str]:
     names = set(re.findall(r"`([^`\s]+)`", text)) | set(re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text))
     paths = set()
     for name in names:
-        name = name.rstrip(".,:;")
+        name = name.rstrip(".,:;").split("::")[0]  # a pytest node id names its file
         if "://" in name or "=" in name or "*" in name or "{" in name or OUTSIDE.search(name):
             continue
         if "/" in name or name.endswith(FILE_SUFFIXES):
@@ -74,5 +81,130 @@ def test_every_named_file_exists(doc):
 
 
 def test_path_finder_sees_paths_and_skips_the_outside():
-    text = "see `docs/API.md`, [design](docs/DESIGN.md#why), `tools/gpu_round.sh`, `sglang/srt/mem_cache/pool_host/mha.py`, `torch.bfloat16`"
-    assert named_paths(text) == {"docs/API.md", "docs/DESIGN.md", "tools/gpu_round.sh"}
+    text = ("see `docs/API.md`, [design](docs/DESIGN.md#why), `tools/gpu_round.sh`, `sglang/srt/mem_cache/pool_host/mha.py`, `torch.bfloat16`, "
+            "`tests/unit/test_cli.py::test_info`")
+    assert named_paths(text) == {"docs/API.md", "docs/DESIGN.md", "tools/gpu_round.sh", "tests/unit/test_cli.py"}
+
+
+# The set-up block the README opens with: the main job, then the tests.
+SETUP = """```bash
+python3 -m pip install torch==2.13.0 -e ".[triton]" && portable-kv check   # the main job, on whatever hardware is here
+python3 -m pip install tox && tox -e cpu                                    # the tests (CI runs this, then tox -e lint,sglang)
+```"""
+README_MAX_LINES = 200
+RESULTS_MAX_FILES = 12
+
+
+def test_readme_opens_with_the_setup_commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert lines[0].startswith("# ") and lines[1] == ""
+    assert "\n".join(lines[2:6]) == SETUP
+
+
+def test_readme_is_short():
+    count = len((ROOT / "README.md").read_text().splitlines())
+    assert count < README_MAX_LINES, f"README.md has {count} lines: deep tables belong in docs/PERFORMANCE.md"
+
+
+def section(text: str, heading: str) -> str:
+    """The body of a Markdown section, up to the next heading of any level."""
+    start = text.index(f"\n{heading}\n") + len(heading) + 2
+    following = re.search(r"^#", text[start:], re.M)
+    return text[start:start + following.start()] if following else text[start:]
+
+
+def test_readme_headline_is_the_current_run_summary():
+    """Every line of the README's headline table, and its ceiling, is a line of bench_results/bench.md."""
+    summary = (RESULTS / "bench.md").read_text().splitlines()
+    headline = section((ROOT / "README.md").read_text(), "## This release on the H200")
+    table = [line for line in headline.splitlines() if line.startswith("|")]
+    assert len(table) >= 4, headline
+    assert [line for line in table if line not in summary] == []
+    assert summary[0] in headline  # the machine and the ceiling of the same run
+
+
+def staged_tables(data: dict) -> str:
+    """docs/PERFORMANCE.md's tables of the staged section, from its JSON."""
+    rows = {(r["name"], r["direction"], r["page_size"]): r for r in data["rows"]}
+    ceil = data["meta"]["ceiling"]
+    pages = (64, 16, 1)
+    hosts = (("page_first_direct", ""), ("layer_first", ", layer_first host"))
+
+    def rate(row: dict) -> str:
+        return f"{row['gbps']:.1f} ({row['pct_ceiling']:.1f}%)"
+
+    lines = [f"{data['meta']['gpu']}; ceiling (one bulk page-locked memcpy): {ceil['h2d']:.1f} H2D, {ceil['d2h']:.1f} D2H, "
+             f"{ceil['both']:.1f} both ways at once GB/s.", "",
+             "| cuda io, host layout | page 64 | page 16 | page 1 | SMs |", "|---|---|---|---|---|"]
+    for host, suffix in hosts:
+        for io in ("kernel", "direct", "staged", "auto"):
+            name = f"cuda {io}, allocator host pages{suffix}"
+            cells = [f"{rows[name, 'h2d', page]['gbps']:.1f} / {rate(rows[f'{name}, 8 layers back to back', 'h2d', page])} / "
+                     f"{rate(rows[name, 'd2h', page])}" for page in pages]
+            sms = f"{rows[name, 'h2d', 64]['extra']['sms']} / {rows[name, 'd2h', 64]['extra']['sms']}"
+            lines.append(f"| {io}, `{host}` | " + " | ".join(cells) + f" | {sms} |")
+    lines += ["", "| a load and a backup at once, GB/s (`page_first_direct` / `layer_first` host) | page 64 | page 16 | page 1 |",
+              "|---|---|---|---|"]
+    for label, what in (("load kernel + backup kernel", "load kernel + backup kernel at once"),
+                        ("load staged + backup staged", "load staged + backup staged at once"),
+                        ("load kernel + backup staged", "load kernel + backup staged at once"),
+                        ("load staged + backup kernel", "load staged + backup kernel at once"),
+                        ("load auto + backup auto", "load auto + backup auto at once"),
+                        ("the same, the backup issued first", "load auto + backup auto at once, the backup issued first"),
+                        ("load kernel + backup kernel, from two threads", "load kernel + backup kernel at once from two threads")):
+        cells = [" / ".join(f"{rows[f'cuda {what}, allocator host pages{suffix}', 'both', page]['gbps']:.1f}" for _, suffix in hosts)
+                 for page in pages]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "| loads beside a bf16 matmul loop: load GB/s, matmul slowdown (`page_first_direct` / `layer_first` host) "
+                  "| page 64 | page 16 | page 1 |", "|---|---|---|---|"]
+    for io in ("kernel", "staged"):
+        cells = []
+        for page in pages:
+            got = [rows[f"cuda {io} load during matmul, interleaved, allocator host pages{suffix}", "h2d", page] for _, suffix in hosts]
+            cells.append(" / ".join(f"{r['gbps']:.1f}, {r['extra']['matmul_slowdown_pct']:+.1f}%" for r in got))
+        lines.append(f"| {io} loads | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def host_cost_table(text: str) -> str:
+    """docs/PERFORMANCE.md's host-cost table, from the section's terminal output (it writes no JSON)."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        match = re.match(r"^host_cost\s+(.+?)\s+(?:h2d|-)\s+(?:\d+|-)\s+-\s+-\s+([\d.]+)", line)
+        if match:
+            found.setdefault(match.group(1), []).append(match.group(2))
+    backends = ("cuda", "triton")
+    lines = ["| host us per per-layer load, back to back | cuda | cuda, SGLang's `load_to_device_per_layer_physical` | triton | triton, SGLang's |",
+             "|---|---|---|---|---|"]
+    for io in ("kernel", "direct", "staged", "auto"):
+        cells = [found[f"{backend} {what}, {io} io"][0] for backend in backends
+                 for what in ("per-layer load", "SGLang load_to_device_per_layer_physical")]
+        lines.append(f"| {io} io | " + " | ".join(cells) + " |")
+    yardstick = found["yardstick: torch x.add_(1), 1 element"]
+    lines.append(f"| yardstick: torch's one-element `add_` | {yardstick[0]} |  | {yardstick[1]} |  |")
+    return "\n".join(lines)
+
+
+def generated_tables() -> dict[str, str]:
+    return {"staged": staged_tables(json.loads((RESULTS / "staged.json").read_text())),
+            "host cost": host_cost_table((RESULTS / "host_cost.txt").read_text())}
+
+
+@pytest.mark.parametrize("name", ["staged", "host cost"])
+def test_performance_tables_are_generated_from_the_results(name):
+    table = generated_tables()[name]
+    assert table in (ROOT / "docs" / "PERFORMANCE.md").read_text(), (
+        f"docs/PERFORMANCE.md's {name} table differs from bench_results; paste `python tests/unit/test_readme.py`'s output")
+
+
+def test_bench_results_are_few_and_each_is_indexed():
+    files = sorted(p.name for p in RESULTS.iterdir() if p.name != "README.md")
+    assert len(files) + 1 <= RESULTS_MAX_FILES, files
+    index = (RESULTS / "README.md").read_text()
+    indexed = set(re.findall(r"^\| `([^`]+)` \|", index, re.M))
+    assert indexed == set(files), f"bench_results/README.md indexes {sorted(indexed)}, the folder holds {files}"
+
+
+if __name__ == "__main__":
+    for name, table in generated_tables().items():
+        print(f"<!-- {name} -->\n{table}\n")

@@ -123,6 +123,13 @@ def test_readme_headline_is_the_current_run_summary():
     assert summary[0] in headline  # the machine and the ceiling of the same run
 
 
+def test_readme_tree_names_every_module():
+    tree = section((ROOT / "README.md").read_text(), "## How it is built")
+    modules = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "portable_kv").rglob("*.py")
+                     if p.stem not in ("__init__", "__main__") and not re.search(rf"\b{p.stem}\b", tree))
+    assert modules == [], f"README.md's tree does not name {modules}"
+
+
 def staged_tables(data: dict) -> str:
     """docs/PERFORMANCE.md's tables of the staged section, from its JSON."""
     rows = {(r["name"], r["direction"], r["page_size"]): r for r in data["rows"]}

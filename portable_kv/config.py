@@ -59,7 +59,7 @@ SGLANG = Setting("PORTABLE_KV_SGLANG", "0",
 SGLANG_IO = Setting("PORTABLE_KV_SGLANG_IO", None,
                     "io path of portable_kv pools under SGLang: one of kernel, direct, staged, auto for every call, "
                     "or pairs kernel=...,direct=... (default: SGLang's --hicache-io-backend as passed)")
-DEBUG = Setting("PORTABLE_KV_DEBUG", "0", "1: the command line shows full tracebacks")
+DEBUG = Setting("PORTABLE_KV_DEBUG", "0", "1: the command line shows full tracebacks, and Mooncake its full logs")
 
 SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, STAGING_BYTES, STAGING_BLOCKS, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, SGLANG, SGLANG_IO, DEBUG)
 # Triton's own switch (Triton reads it too): it decides whether the triton backend

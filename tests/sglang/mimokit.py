@@ -5,26 +5,30 @@ is published as SGLang's runtime context (so SGLang's own argument hooks, the Mi
 HiCache layout/io rewrite among them, run on it); `KVCacheConfigurator.configure` sizes and builds the
 device `SWAKVPool` (full and SWA sub-pools with their own heads and dims, layers split by the
 hybrid pattern), the request pool and the `SWATokenToKVPoolAllocator`; each MTP draft runner's
-configurator builds its one-layer `SWAKVPool` beside the target's allocator; and
-`attach_hybrid_pool_to_unified_cache` picks the hybrid-SWA strategy, which builds the host pool
-group and SGLang's `HybridCacheController` (`build_hybrid_swa_stack`), drafts packed into the SWA
-host pool.  Only the radix tree itself is a stand-in (`_TreeStandIn`): the cycle makes the calls its
-SWA component makes.
+configurator builds its one-layer `SWAKVPool` beside the target's allocator; the speculative
+worker's HiCache draft plan packs the drafts; and the tree-cache factory (`create_tree_cache`, as
+`build_kv_cache` calls it) builds SGLang's `UnifiedRadixCache`, whose `init_hicache` calls
+`attach_hybrid_pool_to_unified_cache`: the hybrid-SWA strategy builds the host pool group and
+SGLang's `HybridCacheController` (`build_hybrid_swa_stack`), drafts packed into the SWA host pool.
 
-`build_stack(device, layout, io, mtp=..., installed=...)` builds it; `run_cycle(stack)` writes,
-frees the device rows, loads them back layer by layer as a forward pass waits for them, and evicts
-the host copy, checking every full, SWA and draft layer bit for bit and every other device row
-untouched; `run_file_cycle(stack)` does the same through SGLang's HiCacheFile L3 tier.  The device
-is a parameter: "cpu" here, a CUDA device for runs on a GPU.
+`build_stack(device, layout, io, mtp=..., installed=...)` builds it; `run_cycle(stack)` caches a
+request's prefix in the tree (write-through backs it up to host), evicts it from the device, has a
+new request for the prompt load it back layer by layer as a forward pass waits for it, and evicts
+it from device and host, checking every full, SWA and draft layer bit for bit and every other
+device row untouched; `run_file_cycle(stack)` does the same through SGLang's HiCacheFile L3 tier.
+Every step is the tree's own entry point, polled as the scheduler polls it.  The device is a
+parameter: "cpu" here, a CUDA device for runs on a GPU.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import shutil
 import tempfile
-import threading
+import time
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,6 +48,7 @@ MTP_STEPS = 3
 MAX_TOTAL_TOKENS = 256
 CONTEXT_LENGTH = 2048  # keeps the request-to-token table small
 HICACHE_RATIO = 2.0
+POLL_TIMEOUT = 60.0  # seconds a cycle waits for one transfer before failing
 
 # MiMo-V2-Flash's config.json (huggingface.co/XiaomiMiMo/MiMo-V2-Flash) with the layer count scaled
 # from 48 to 6; every other value is the checkpoint's.  Full-attention layers: 4 KV heads, K
@@ -116,7 +121,11 @@ def server_args(model_dir: Path, device: str, layout: str, io: str, *, mtp: bool
         # MiMo's MTP heads run as multi-layer EAGLE (SGLang's MiMo override turns that on).
         fields.update(speculative_algorithm="EAGLE", speculative_num_steps=MTP_STEPS, speculative_eagle_topk=1, speculative_num_draft_tokens=MTP_STEPS + 1)
     if storage_dir is not None:
-        fields.update(hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps({"file_storage_path": str(storage_dir)}))
+        # The tree prefetches from the tier only for at least `prefetch_threshold` tokens (256 by
+        # default, more than a cycle writes), and under wait_complete it admits a request only
+        # once its prefetch has finished, so the cycle's load finds the whole prompt in host memory.
+        extra = {"file_storage_path": str(storage_dir), "prefetch_threshold": PAGE}
+        fields.update(hicache_storage_backend="file", hicache_storage_backend_extra_config=json.dumps(extra), hicache_storage_prefetch_policy="wait_complete")
     return ServerArgs(
         model_path=str(model_dir),
         device=device.split(":")[0],
@@ -239,30 +248,19 @@ def _without_host_registration(exit_stack: contextlib.ExitStack) -> None:
     exit_stack.callback(setattr, common, "_cuda_host_register", original)
 
 
-class _TreeStandIn:
-    """What `attach_hybrid_pool_to_unified_cache` reads from and writes to SGLang's radix tree.
+class _WorkerStandIn:
+    """The model worker as the tree-cache factory sees it: what the tree registers its layer counter with.
 
-    UnifiedRadixCache is left out (its module imports the OpenAI protocol package, which the
-    HiCache path does not need); the cycle makes the calls its components make instead.  Pools are
-    sized so nothing is evicted: a call for eviction means the test's arithmetic is wrong.
+    The factory is handed the worker that runs the model (`TreeCacheBuildContext.tp_worker`), and of
+    it `create_unified_radix_cache` calls only `register_hicache_layer_transfer_counter`, here
+    TpModelWorker's own.  A real worker loads the model weights, which the cycle has no use for.
     """
 
-    def __init__(self, allocator):
-        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    def __init__(self):
+        from sglang.srt.managers.tp_worker import TpModelWorker
 
-        self.token_to_kv_pool_allocator = allocator
-        self.components = {ComponentType.FULL: SimpleNamespace(), ComponentType.SWA: SimpleNamespace()}
-        self._enable_metrics_flag = False
-        self.sidecars = []
-
-    def register_sidecar_pool(self, spec) -> None:
-        self.sidecars.append(spec)
-
-    def evict_host(self, num_tokens, component=None):
-        raise AssertionError(f"host eviction of {num_tokens} tokens ({component}): the host pools should not fill")
-
-    def evict_for_alloc(self, params):
-        raise AssertionError(f"device eviction ({params}): the device pools should not fill")
+        self.hicache_layer_transfer_counter = None
+        self.register_hicache_layer_transfer_counter = TpModelWorker.register_hicache_layer_transfer_counter.__get__(self)
 
 
 # -- The stack -----------------------------------------------------------------------------------
@@ -284,7 +282,7 @@ class MimoStack:
     allocator: Any  # SWATokenToKVPoolAllocator
     req_to_token_pool: Any
     params: Any  # CacheInitParams
-    tree: _TreeStandIn
+    tree: Any  # SGLang's UnifiedRadixCache, HiCache attached
     group: Any  # HostPoolGroup
     controller: Any  # HybridCacheController
     _exit: contextlib.ExitStack = field(repr=False)
@@ -365,6 +363,30 @@ def _configurator(args, model_config, device: str, *, draft_idx: int | None = No
     )
 
 
+def _hicache_draft_plan(target, drafts: tuple, draft_config):
+    """The speculative worker's HiCache draft plan as SGLang makes it, and the draft pools it packs into the target's.
+
+    `BaseSpecWorker._build_hicache_draft_plan` runs on the worker's model runners, which load the
+    target and draft models; it reads only their pools, config and algorithm, so namespaces
+    carrying those stand in for them.  It sets the target runner's `mtp_draft_device_pools`, which
+    the tree-cache factory then receives, as the real runner does.
+    """
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    target_runner = SimpleNamespace(
+        spec_algorithm=SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm),
+        req_to_token_pool=target.req_to_token_pool,
+        mtp_draft_device_pools=(),
+        mtp_draft_mamba_pools=(),
+    )
+    draft_runners = tuple(SimpleNamespace(token_to_kv_pool=pool, model_config=draft_config, req_to_token_pool=target.req_to_token_pool) for pool in drafts)
+    spec_worker = SimpleNamespace(target_worker=SimpleNamespace(model_runner=target_runner), _draft_model_runners=lambda: draft_runners)
+    plan = BaseSpecWorker._build_hicache_draft_plan(spec_worker)
+    return plan, target_runner.mtp_draft_device_pools
+
+
 def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool, workdir: Path | None = None, storage: bool = False) -> MimoStack:
     """Build MiMo-V2-Flash's HiCache stack the way SGLang's scheduler does, on `device`.
 
@@ -373,15 +395,20 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
     packed into the SWA host pool.  `storage` attaches SGLang's HiCacheFile tier under `workdir`.
     The returned stack holds the published runtime context until it is closed.
 
-    On CPU, what SGLang's own pools need of CUDA is stood in for (`CpuKvcacheio`,
-    `_without_host_registration`, `_without_triton_warmup`); on a CUDA device nothing is, so
-    SGLang's own host pools need sgl_kernel there.
+    What is not SGLang's own is what needs a loaded model or a process group: the model worker and
+    runners the factory and the draft plan read a few attributes of (`_WorkerStandIn`,
+    `_hicache_draft_plan`), and the device-memory profile (`_configurator`).  On CPU, what SGLang's
+    own pools need of CUDA is stood in for too (`CpuKvcacheio`, `_without_host_registration`,
+    `_without_triton_warmup`); on a CUDA device it is not, so SGLang's own host pools need
+    sgl_kernel there.
     """
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import attach_hybrid_pool_to_unified_cache
-    from sglang.srt.runtime_context import get_memory, get_spec, reset_context
+    from sglang.srt.mem_cache.hicache_auto_size import auto_size_hicache
+    from sglang.srt.mem_cache.kv_cache_builder import maybe_register_hicache_draft, uses_ssm_state
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_spec, reset_context
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     import portable_kv.sglang as pk_sglang
 
@@ -417,31 +444,56 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
             pk_sglang.install()
             exit_stack.callback(pk_sglang.uninstall)
 
-        # What kv_cache_builder hands the tree (its CacheInitParams), and the tree's init_hicache:
-        # parse the storage settings, then attach the host pools and the controller.
+        # The speculative worker's HiCache draft plan (init_hicache_draft_plan): SGLang decides
+        # whether the MTP drafts pack into the target's host pools or ride in a sidecar.
+        draft_plan, packed_drafts = _hicache_draft_plan(target, drafts, draft_config) if mtp else (None, ())
+        # What kv_cache_builder.build_kv_cache hands the tree-cache factory, and the factory itself:
+        # it builds SGLang's UnifiedRadixCache, whose init_hicache attaches the host pools and the
+        # controller (attach_hybrid_pool_to_unified_cache), then registers any draft sidecar.
+        # One process stands for rank 0, so there are no process groups for the tree to reduce over.
         params = CacheInitParams(
             disable=False,
             req_to_token_pool=target.req_to_token_pool,
             token_to_kv_pool_allocator=allocator,
             page_size=PAGE,
-            is_eagle=mtp,
+            is_eagle=SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm).is_eagle(),
+            tp_cache_group=None,
+            attn_cp_cache_group=None,
+            attn_tp_cache_group=None,
+            pp_cache_group=None,
+            eviction_policy=get_memory().radix_eviction_policy,
+            eviction_policy_config=get_memory().radix_eviction_policy_config,
+            enable_session_radix_cache=get_memory().enable_session_radix_cache,
+            chunked_prefill_size=get_schedule().chunked_prefill_size,
             sliding_window_size=model_config.sliding_window_size,
-            mtp_draft_device_pools=drafts,  # the packed plan of _build_hicache_draft_plan
+            mtp_draft_device_pools=packed_drafts,
         )
-        storage_backend = get_memory().hicache_storage_backend
-        extra_config, prefetch_threshold = None, 256
-        if storage_backend is not None:
-            extra_config, prefetch_threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(get_memory().hicache_storage_backend_extra_config)
-        tree = _TreeStandIn(allocator)
-        attach_hybrid_pool_to_unified_cache(
-            tree,
-            params,
-            args,
-            load_cache_event=threading.Event(),
-            storage_backend=storage_backend,
-            storage_extra_config=extra_config,
-            storage_prefetch_threshold=prefetch_threshold,
+        worker = _WorkerStandIn()
+        context = TreeCacheBuildContext(
+            server_args=args,
+            params=params,
+            is_hybrid_swa=model_config.is_hybrid_swa,
+            is_hybrid_ssm=uses_ssm_state(model_config),
+            enable_hierarchical_cache=get_memory().enable_hierarchical_cache,
+            disable_radix_cache=get_memory().disable_radix_cache,
+            tp_worker=worker,
+            model_config=model_config,
+            tp_size=get_parallel().tp_size,
+            tp_rank=get_parallel().tp_rank,
+            tp_group=None,
+            full_tokens_per_layer=target.full_max_total_num_tokens,
         )
+        with auto_size_hicache(params, draft_plan, enabled=get_memory().enable_hierarchical_cache):
+            tree = create_tree_cache(context)
+            if draft_plan is not None:
+                maybe_register_hicache_draft(tree_cache=tree, draft_plan=draft_plan)
+        # init_hicache registers the storage detach with atexit; the stack detaches on close instead.
+        atexit.unregister(tree.shutdown)
+        exit_stack.callback(tree.release_host_resources)
+        if tree.enable_storage:  # its threads stop before the host pools go
+            exit_stack.callback(tree.shutdown)
+        assert type(tree).__name__ == "UnifiedRadixCache", f"SGLang built {type(tree).__name__} for MiMo-V2-Flash"
+        assert worker.hicache_layer_transfer_counter is tree.cache_controller.layer_done_counter
         controller = tree.cache_controller
         stack = MimoStack(
             device=device,
@@ -461,11 +513,6 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
             controller=controller,
             _exit=exit_stack,
         )
-        for pool in stack.host_pools().values():
-            if hasattr(pool, "destroy"):
-                exit_stack.callback(pool.destroy)
-        if storage_backend is not None:  # its threads stop before the host pools go
-            exit_stack.callback(controller.detach_storage_backend)
         return stack
     except BaseException:
         exit_stack.close()
@@ -534,25 +581,97 @@ def _record_layer_calls(stack: MimoStack, calls: list, exit_stack: contextlib.Ex
         exit_stack.callback(delattr, pool, "load_to_device_per_layer_physical")
 
 
-def _wait(ack) -> None:
-    ack.finish_event.synchronize()
+def _poll(stack: MimoStack, pending, timeout: float, what: str) -> None:
+    """Run the scheduler's per-step HiCache poll (the tree's check_hicache_events) until `pending()` is false."""
+    deadline = time.monotonic() + timeout
+    while pending():
+        assert time.monotonic() < deadline, f"{what}: not done after {timeout} s"
+        stack.tree.check_hicache_events()
 
 
-def _write_to_host(stack: MimoStack, full: torch.Tensor, swa: torch.Tensor):
-    """The tree's host backup of a node (BACKUP_HOST): full rows through the anchor, SWA rows as the SWA pool's transfer."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+def _radix_key(stack: MimoStack, token_ids: list):
+    """The tree's key for a token sequence, as the scheduler builds it: token bigrams under EAGLE."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    swa_transfer = PoolTransfer(name=PoolName.SWA, device_indices=swa)
-    kv_host = stack.controller.write(full, extra_pools=[swa_transfer])
-    assert kv_host is not None, "the host pools should hold the request"
-    assert swa_transfer.host_indices is not None and len(swa_transfer.host_indices) == len(swa)
-    _wait(stack.controller.ack_write_queue.pop())
-    return kv_host, swa_transfer.host_indices
+    return RadixKey(array("q", token_ids), is_bigram=stack.tree.tree_core.is_eagle)
 
 
-def _load_and_check(stack: MimoStack, kv_host: torch.Tensor, swa_host: torch.Tensor, originals: dict, report: CycleReport, generator) -> None:
-    """Load host rows into fresh device rows layer by layer, as the forward pass consumes them, and check every buffer."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+def _prefill(stack: MimoStack, tokens: int, generator) -> tuple[CycleReport, dict, list, torch.Tensor]:
+    """One request's prefill: device rows in every layer (drafts too) filled with random bits.
+
+    Returns the report, the bits written into the `tokens` rows the tree will hold, the request's
+    token ids and all its full-pool rows.  Under EAGLE the tree keys a prefix by token bigrams, so
+    a prompt caches one token fewer than it has: the request carries one token past `tokens`.
+    """
+    buffers = stack.device_buffers()
+    for buffer in buffers.values():  # the whole device pool holds other requests' bits
+        _fill(buffer, None, generator)
+    boundary = int(stack.tree.tree_core.is_eagle)
+    rows, swa_rows = _alloc_request(stack, tokens + boundary)
+    full, swa = rows[:tokens], swa_rows[:tokens]
+    originals = {key: buffer[_rows_of(key, full, swa).to(buffer.device)].clone() for key, buffer in buffers.items()}
+    token_ids = torch.randint(0, MIMO_V2_FLASH_CONFIG["vocab_size"], (tokens + boundary,), generator=generator).tolist()
+    report = CycleReport(tokens=tokens, written_full=full, written_swa=swa, loaded_full=full, loaded_swa=swa)
+    return report, originals, token_ids, rows
+
+
+def _cache_in_tree(stack: MimoStack, token_ids: list, rows: torch.Tensor, tokens: int, timeout: float) -> None:
+    """The finished request's prefix into the tree (checkpoint_into_tree's insert), its device rows past the prefix freed.
+
+    Under write_through the insert backs the new node up to the host pools (BACKUP_HOST: full rows
+    through the anchor, SWA rows and packed drafts through the SWA pool); the scheduler's poll
+    then takes the write ack, and with a storage tier that ack backs the node up to it.
+    """
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    key = _radix_key(stack, token_ids).page_aligned(PAGE)
+    assert len(key) == tokens
+    stack.tree.insert(InsertParams(key=key, value=rows[:tokens].to(torch.int64, copy=True)))
+    if len(rows) > tokens:
+        stack.allocator.free(rows[tokens:])  # release_kv_cache frees what the tree did not take
+    assert stack.tree.ongoing_write_through, "write_through should back the new node up"
+    _poll(stack, lambda: stack.tree.ongoing_write_through, timeout, "the host backup")
+
+
+def _evict_device(stack: MimoStack, tokens: int, device_free: tuple) -> None:
+    """The tree's device eviction: the node keeps its host copy and gives its device rows back."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    evicted = stack.tree.evict(EvictParams(num_tokens=tokens, swa_num_tokens=tokens))
+    assert (evicted.num_tokens_evicted, evicted.swa_num_tokens_evicted) == (tokens, tokens), f"device eviction: {evicted}"
+    assert _device_free(stack) == device_free, "evicting the node should give every device row back"
+
+
+def _evict_host(stack: MimoStack, tokens: int, host_free: dict) -> None:
+    """The tree's host eviction of the (device-evicted) node: every host slot, SWA and drafts too, goes back."""
+    assert stack.tree.evict_host(tokens) == tokens
+    assert _host_free(stack) == host_free, "evicting the host copy should give every host slot back"
+
+
+def _request(stack: MimoStack, token_ids: list):
+    """A new request for the same prompt, with its request-pool row, as the scheduler admits it."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid="mimo", origin_input_text="", origin_input_ids=array("q", token_ids), sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+    assert stack.req_to_token_pool.alloc([req]) is not None
+    return req
+
+
+def _match(stack: MimoStack, req, token_ids: list):
+    """match_prefix for the request, its result recorded on the request as init_next_round_input records it."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    match = stack.tree.match_prefix(MatchPrefixParams(key=_radix_key(stack, token_ids), req=req))
+    req.prefix_len = match.device_prefix_len
+    req.last_node, req.last_host_node, req.best_match_node = match.last_device_node, match.last_host_node, match.best_match_node
+    req.host_hit_length, req.swa_host_hit_length, req.mamba_host_hit_length = match.host_hit_length, match.swa_host_hit_length, match.mamba_host_hit_length
+    return match
+
+
+def _load_and_check(stack: MimoStack, token_ids: list, originals: dict, report: CycleReport, generator, timeout: float) -> None:
+    """A request for the prompt loads its host hit back (init_load_back), layer by layer as the forward pass consumes it; every buffer checked."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
     buffers = stack.device_buffers()
     # The freed rows go to other requests before this one comes back: scribble on them, so a
@@ -561,56 +680,45 @@ def _load_and_check(stack: MimoStack, kv_host: torch.Tensor, swa_host: torch.Ten
         _fill(buffer, _rows_of(key, report.written_full, report.written_swa), generator)
     before = {key: buffer.clone() for key, buffer in buffers.items()}
 
-    swa_load = PoolTransfer(name=PoolName.SWA, host_indices=swa_host)
-    loaded_full = stack.controller.load(kv_host, extra_pools=[swa_load])
-    assert loaded_full is not None and swa_load.device_indices is not None
-    report.loaded_full, report.loaded_swa = loaded_full, swa_load.device_indices.to(torch.int64)
+    req = _request(stack, token_ids)
+    try:
+        match = _match(stack, req, token_ids)
+        assert (match.device_prefix_len, match.host_hit_length, match.swa_host_hit_length) == (0, report.tokens, report.tokens), f"host hit: {match}"
+        loaded, node = stack.tree.init_load_back(InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
+        assert loaded == report.tokens, f"init_load_back took {loaded} of {report.tokens} tokens"
+        report.loaded_full = stack.tree.path_device_indices(node).to(torch.int64)
+        report.loaded_swa = stack.allocator.translate_swa_indices_for_transfer(report.loaded_full).to(torch.int64)
 
-    with contextlib.ExitStack() as recording:
-        _record_layer_calls(stack, report.layer_calls, recording)
-        producer = stack.controller.start_loading()
-        assert producer >= 0
-        # The scheduler points the forward batch at this load; each attention layer then reads its
-        # buffers through the pool, which waits for that layer's event first.
-        stack.controller.layer_done_counter.set_consumer(producer)
-        for layer in range(len(FULL_LAYERS) + len(SWA_LAYERS)):
-            stack.kvcache.get_key_buffer(layer)
-            stack.kvcache.get_value_buffer(layer)
-            kind = "full" if layer in FULL_LAYERS else "swa"
-            rows = report.loaded_full if kind == "full" else report.loaded_swa
-            for part in ("k", "v"):
-                got = buffers[(kind, layer, part)][rows.to(stack.kvcache.device)]
-                assert _equal(got, originals[(kind, layer, part)]), f"{kind} layer {layer} {part.upper()}: loaded rows differ from the written ones"
-        # Draft runners run after the target's forward, which has waited for every layer.
-        for depth in range(len(stack.drafts)):
-            for part in ("k", "v"):
-                got = buffers[("draft", depth, part)][report.loaded_swa.to(stack.kvcache.device)]
-                assert _equal(got, originals[("draft", depth, part)]), f"MTP draft {depth} {part.upper()}: loaded rows differ from the written ones"
-        _wait(stack.controller.ack_load_queue.pop())
+        with contextlib.ExitStack() as recording:
+            _record_layer_calls(stack, report.layer_calls, recording)
+            producer = stack.tree.ready_to_load_host_cache()
+            assert producer >= 0
+            # The scheduler points the forward batch at this load, and the model worker hands the
+            # index to the counter the tree registered with it (TpModelWorker.set_hicache_consumer);
+            # each attention layer then reads its buffers through the pool, which waits for that
+            # layer's event first.
+            stack.controller.layer_done_counter.set_consumer(producer)
+            for layer in range(len(FULL_LAYERS) + len(SWA_LAYERS)):
+                stack.kvcache.get_key_buffer(layer)
+                stack.kvcache.get_value_buffer(layer)
+                kind = "full" if layer in FULL_LAYERS else "swa"
+                rows = report.loaded_full if kind == "full" else report.loaded_swa
+                for part in ("k", "v"):
+                    got = buffers[(kind, layer, part)][rows.to(stack.kvcache.device)]
+                    assert _equal(got, originals[(kind, layer, part)]), f"{kind} layer {layer} {part.upper()}: loaded rows differ from the written ones"
+            # Draft runners run after the target's forward, which has waited for every layer.
+            for depth in range(len(stack.drafts)):
+                for part in ("k", "v"):
+                    got = buffers[("draft", depth, part)][report.loaded_swa.to(stack.kvcache.device)]
+                    assert _equal(got, originals[("draft", depth, part)]), f"MTP draft {depth} {part.upper()}: loaded rows differ from the written ones"
+            _poll(stack, lambda: stack.tree.ongoing_load_back, timeout, "the load back")
+    finally:
+        stack.req_to_token_pool.free(req)
 
     for key, buffer in buffers.items():
         expected = before[key].clone()
         expected[_rows_of(key, report.loaded_full, report.loaded_swa).to(buffer.device)] = originals[key]
         assert _equal(buffer, expected), f"{key}: a row outside the loaded ones changed"
-
-
-def _write_request(stack: MimoStack, tokens: int, generator) -> tuple[CycleReport, dict]:
-    """Allocate and fill one request's device rows (every layer, drafts too); the report and the written bits."""
-    buffers = stack.device_buffers()
-    for buffer in buffers.values():  # the whole device pool holds other requests' bits
-        _fill(buffer, None, generator)
-    full, swa = _alloc_request(stack, tokens)
-    originals = {key: buffer[_rows_of(key, full, swa).to(buffer.device)].clone() for key, buffer in buffers.items()}
-    report = CycleReport(tokens=tokens, written_full=full, written_swa=swa, loaded_full=full, loaded_swa=swa)
-    return report, originals
-
-
-def _evict_host(stack: MimoStack, kv_host: torch.Tensor, swa_host: torch.Tensor, free_before: dict) -> None:
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
-    assert stack.controller.evict_host(kv_host) == len(kv_host)
-    stack.group.free(swa_host, pool=PoolName.SWA)
-    assert _host_free(stack) == free_before, "evicting the host copy should give every host slot back"
 
 
 def _host_free(stack: MimoStack) -> dict:
@@ -619,82 +727,99 @@ def _host_free(stack: MimoStack) -> dict:
     return {name: stack.group.available_size(pool=name) for name in (PoolName.KV, PoolName.SWA)}
 
 
-def run_cycle(stack: MimoStack, *, pages: int = 5, seed: int = 0) -> CycleReport:
-    """write -> free device -> load (per layer, waited as a forward pass waits) -> evict_host, checked bit for bit.
+def _device_free(stack: MimoStack) -> tuple:
+    return stack.allocator.full_available_size(), stack.allocator.swa_available_size()
 
-    Raises AssertionError naming the pool, layer and K/V side of the first mismatch, or the first
+
+def _record_puts(queue, exit_stack: contextlib.ExitStack) -> list:
+    """Every item put on one of the controller's queues, until `exit_stack` closes; the tree still gets them all."""
+    items = []
+    original = queue.put
+
+    def put(item, *args, **kwargs):
+        items.append(item)
+        return original(item, *args, **kwargs)
+
+    queue.put = put
+    exit_stack.callback(delattr, queue, "put")
+    return items
+
+
+def run_cycle(stack: MimoStack, *, pages: int = 5, seed: int = 0) -> CycleReport:
+    """insert (write-through) -> evict device -> load back (per layer, waited as a forward pass waits) -> evict host, checked bit for bit.
+
+    Every step is the radix tree's own entry point, driven as the scheduler drives it.  Raises
+    AssertionError naming the pool, layer and K/V side of the first mismatch, or the first
     buffer where a row outside the loaded ones changed.
     """
     generator = torch.Generator().manual_seed(seed)
     tokens = pages * PAGE
-    report, originals = _write_request(stack, tokens, generator)
-    free_before = _host_free(stack)
-
-    kv_host, swa_host = _write_to_host(stack, report.written_full, report.written_swa)
-    stack.allocator.free(report.written_full)  # the request finished; its device rows go back
-    _load_and_check(stack, kv_host, swa_host, originals, report, generator)
-    _evict_host(stack, kv_host, swa_host, free_before)
+    host_free, device_free = _host_free(stack), _device_free(stack)
+    report, originals, token_ids, rows = _prefill(stack, tokens, generator)
+    _cache_in_tree(stack, token_ids, rows, tokens, POLL_TIMEOUT)
+    _evict_device(stack, tokens, device_free)
+    _load_and_check(stack, token_ids, originals, report, generator, POLL_TIMEOUT)
+    _evict_device(stack, tokens, device_free)
+    _evict_host(stack, tokens, host_free)
     return report
 
 
 def run_file_cycle(stack: MimoStack, *, pages: int = 5, seed: int = 1, timeout: float = 60.0) -> CycleReport:
-    """write -> back up to HiCacheFile -> evict host (host bits wiped) -> prefetch from the files -> load, checked bit for bit.
+    """insert -> back up to HiCacheFile -> evict device and host (host bits wiped) -> prefetch from the files -> load, checked bit for bit.
 
-    The calls are the radix tree's: BACKUP_STORAGE writes the full pages and the SWA pool's trailing
-    pages under the request's page hashes; a prefetch queries the tier, takes host rows for the hit
-    and SWA staging for the trailing pages, and reads them back.
+    The write ack backs the node up to the tier (BACKUP_STORAGE: the full pages, and the SWA
+    pool's trailing pages under the same page hashes); a request for the prompt then misses in
+    memory, the tree prefetches it from the files (host rows for the hit, SWA staging for the
+    trailing pages) and loads it back as in `run_cycle`.
     """
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    controller = stack.controller
-    assert controller.enable_storage, "build the stack with storage=True"
+    tree = stack.tree
+    assert stack.controller.enable_storage, "build the stack with storage=True"
     generator = torch.Generator().manual_seed(seed)
     tokens = pages * PAGE
-    report, originals = _write_request(stack, tokens, generator)
-    free_before = _host_free(stack)
-    kv_host, swa_host = _write_to_host(stack, report.written_full, report.written_swa)
-    stack.allocator.free(report.written_full)
+    host_free, device_free = _host_free(stack), _device_free(stack)
+    report, originals, token_ids, rows = _prefill(stack, tokens, generator)
+    with contextlib.ExitStack() as recording:
+        backups = _record_puts(stack.controller.ack_backup_queue, recording)
+        _cache_in_tree(stack, token_ids, rows, tokens, timeout)
+        assert tree.ongoing_backup, "the write ack should back the node up to the file tier"
+        _poll(stack, lambda: tree.ongoing_backup, timeout, "the backup to the file tier")
+    assert sum(backup.completed_tokens for backup in backups) == tokens, f"backed up {[b.completed_tokens for b in backups]} of {tokens} tokens to the file tier"
+    assert sum(_swa_pages(backup.pool_storage_result.extra_pool_hit_pages) or 0 for backup in backups) == pages, "SWA pages backed up: " + str([b.pool_storage_result.extra_pool_hit_pages for b in backups])
 
-    token_ids = torch.randint(0, MIMO_V2_FLASH_CONFIG["vocab_size"], (tokens,), generator=generator).tolist()
-    hashes = get_storage_hash_str(token_ids, None, page_size=PAGE)
-    assert len(hashes) == pages
-    swa_backup = PoolTransfer(name=PoolName.SWA, host_indices=swa_host, keys=list(hashes), hit_policy=PoolHitPolicy.TRAILING_PAGES)
-    controller.write_storage(kv_host, token_ids, hash_value=list(hashes), extra_pools=[swa_backup])
-    backup = controller.ack_backup_queue.get(timeout=timeout)
-    assert backup.completed_tokens == tokens, f"backed up {backup.completed_tokens} of {tokens} tokens to the file tier"
-    assert _swa_pages(backup.pool_storage_result.extra_pool_hit_pages) == pages, f"SWA pages backed up: {backup.pool_storage_result.extra_pool_hit_pages}"
-
-    _evict_host(stack, kv_host, swa_host, free_before)
+    _evict_device(stack, tokens, device_free)
+    _evict_host(stack, tokens, host_free)
     for pool in stack.host_pools().values():  # nothing may come back from host memory
         for buffer in (pool.k_buffer, pool.v_buffer):
             buffer.view(torch.int16).fill_(0x5A5A)
 
-    swa_fetch = PoolTransfer(name=PoolName.SWA, keys=["__placeholder__"] * pages, hit_policy=PoolHitPolicy.TRAILING_PAGES)
-    operation = controller.prefetch(CacheRequestHandle(rid="mimo", attempt_id=0), token_ids, None, None, extra_pools=[swa_fetch])
-    hit = controller.prefetch_hit_queue.get(timeout=timeout)
-    assert hit is operation and operation.storage_hit_count == tokens, f"file tier hit {operation.storage_hit_count} of {tokens} tokens"
-    host, length = controller.allocate_storage_hit(operation, tokens, allow_partial=False, min_tokens=0, evict_host=stack.tree.evict_host)
-    assert host is not None and length == tokens
-    # The SWA component stages the trailing window pages in its own host pool (alloc_prefetch_staging).
-    swa_fetch.host_indices = stack.group.get_pool(PoolName.SWA).alloc(pages * PAGE)
-    assert swa_fetch.host_indices is not None
-    operation.host_indices = host
-    controller.prefetch_buffer.put(operation)
-    # The prefetch threads report progress as acks, the last one marking the request complete.
-    completed, pool_hits = 0, {}
-    while True:
-        ack = controller.ack_prefetch_queue.get(timeout=timeout)
-        completed = max(completed, ack.completed_tokens or 0)
+    # The request misses in device and host memory; the scheduler has the tree prefetch it from
+    # the tier (_prefetch_kvcache) and admits it once check_prefetch_progress says the prefetch is done.
+    req = _request(stack, token_ids)
+    try:
+        match = _match(stack, req, token_ids)
+        assert (match.device_prefix_len, match.host_hit_length) == (0, 0), f"nothing should be left in memory: {match}"
+        handle = req.cache_request_handle
+        with contextlib.ExitStack() as recording:
+            acks = _record_puts(stack.controller.ack_prefetch_queue, recording)
+            tree.prefetch_from_storage(handle, match.last_host_node, array("q", token_ids), tree.get_last_hash_value(match.last_host_node), matched_prefix_tokens=array("q"))
+            assert tree.ongoing_prefetch, "the tree should prefetch the prompt from the file tier"
+            _poll(stack, lambda: not tree.check_prefetch_progress(handle), timeout, "the prefetch from the file tier")
+        loaded, _ = tree.pop_prefetch_loaded_span(handle)
+    finally:
+        stack.req_to_token_pool.free(req)
+    assert loaded == tokens, f"prefetched {loaded} of {tokens} tokens from the file tier"
+    assert max((ack.completed_tokens or 0 for ack in acks), default=0) == tokens and any(ack.completed_req for ack in acks)
+    pool_hits = {}
+    for ack in acks:
         pool_hits.update(ack.pool_hits or {})
-        if ack.completed_req:
-            break
-    assert completed == tokens, f"prefetched {completed} of {tokens} tokens from the file tier"
     assert _swa_pages(pool_hits) == pages, f"SWA pages prefetched: {pool_hits}"
+    assert _host_free(stack)[PoolName.KV] == host_free[PoolName.KV] - tokens, "the prefetch should hold the prompt in host rows"
 
-    _load_and_check(stack, host, swa_fetch.host_indices, originals, report, generator)
-    _evict_host(stack, host, swa_fetch.host_indices, free_before)
+    _load_and_check(stack, token_ids, originals, report, generator, timeout)
+    _evict_device(stack, tokens, device_free)
+    _evict_host(stack, tokens, host_free)
     return report
 
 

@@ -2,8 +2,11 @@
 
 The stack (mimokit.build_stack) comes from SGLang's own functions along the scheduler's path: the
 KV-cache configurator builds the hybrid device pool and its allocator from the model's config, the
-MTP draft runners build theirs, and the hybrid-SWA strategy assembles the host pool group and the
-HybridCacheController.  Without portable_kv the host pools are SGLang's own, the reference that
+MTP draft runners build theirs, and the tree-cache factory builds the UnifiedRadixCache, whose
+init_hicache has the hybrid-SWA strategy assemble the host pool group and the
+HybridCacheController.  The cycles drive the tree's own entry points: insert (write-through),
+evict, match_prefix, init_load_back, ready_to_load_host_cache, evict_host, and for the file tier
+prefetch_from_storage and check_prefetch_progress.  Without portable_kv the host pools are SGLang's own, the reference that
 shows the harness itself is right; SGLang's pool for MiMo's unequal K and V widths moves only two
 of the layout/io pairs and no flat pages, which the last tests record.
 """
@@ -83,7 +86,7 @@ def test_sglang_builds_mimo_v2_flash_pools_with_per_rank_heads_and_drafts_packed
             assert draft.swa_kv_pool.size == stack.kvcache.size_swa
 
         pools = stack.host_pools()
-        assert set(pools) == {"kv", "swa"} and stack.tree.sidecars == [], "drafts ride in the SWA host pool, not a sidecar"
+        assert set(pools) == {"kv", "swa"} and stack.tree.sidecar_pool_specs == [], "drafts ride in the SWA host pool, not a sidecar"
         assert pools["kv"].layer_num == len(FULL_LAYERS)
         assert pools["swa"].layer_num == len(SWA_LAYERS) + MTP_STEPS
         # SGLang's sizing: the device rows times the ratio, plus one page.

@@ -6,9 +6,13 @@
 # folder there, so the host's older packaging or filelock do not matter), plus
 # setuptools, the build backend pip needs for the editable install in its isolated
 # build environment. All are pure Python: a few MiB in all.
-#   usage: bash tools/fetch_gpu_wheels.sh [NAME==VERSION ...]
-# Extra requirements (e.g. SGLang or Mooncake wheels for the storage tests) go to
-# .whl/extra/ without their dependencies; gpu_round.sh puts them on the tests' path.
+#   usage: bash tools/fetch_gpu_wheels.sh [--sglang] [NAME==VERSION ...]
+# Extra requirements (e.g. Mooncake's wheel for the storage tests) go to .whl/extra/
+# without their dependencies; gpu_round.sh puts them on the tests' path.
+# --sglang: SGLang 0.5.23 and the wheels its HiCache path imports beyond the GPU host's
+# image, into .whl/extra/ (SGLANG_SET below). What travels to the GPU host (the tree and
+# the carried folders) is limited to 64 MiB: the SGLang set is ~36 MiB and Mooncake's
+# CUDA wheel ~47 MiB, so the two go in separate rounds (`rm -r .whl/extra` between).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON_VERSION:-3.12}
@@ -18,16 +22,77 @@ TOX_CLOSURE=(
   pluggy==1.6.0 distlib==0.4.4 tomli-w==1.2.0 typing-extensions==4.15.0
   setuptools==84.2.1
 )
+# Found by importing, on the host's packages alone plus sglang without its dependencies,
+# SGLang's host-pool assembler, HiCache controllers, device and host pools, radix caches,
+# KV-cache configurator and builder, storage tiers (HiCacheFile), scheduler and model worker
+# (what tests/sglang/mimokit.py builds the MiMo-V2-Flash stack from), with CUDA detected and
+# tests/gpu/standins in place of sgl_kernel, and adding what failed one at a time.
+# Versions as tox.ini's [testenv:sglang] pins them; openai as sglang 0.5.23 pins it (the
+# newest openai needs httpx2).
+SGLANG_SET=(
+  sglang==0.5.23
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  msgspec==0.23.0 orjson==3.13.0 pybase64==1.5.1 pyzmq==27.3.0 apache-tvm-ffi==0.1.11
+  gguf==0.19.0 compressed-tensors==0.18.0 loguru==0.7.3 starlette==1.10.0 dill==0.4.1
+  ipython==9.18.1 traitlets==5.16.1 setproctitle==1.3.8
+  openai==2.8.0 distro==1.9.0 sniffio==1.3.1 partial-json-parser==0.2.1.1.post7
+  fastapi==0.165.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
+  # SGLang's config package registers image processors with transformers, which wants
+  # torchvision for that. It must be the build for the host's torch (0.26.0 is torch
+  # 2.11.0's, CUDA 13.0 on PyPI); gpu_round.sh keeps the host's own where it has one.
+  "torchvision==${PKV_TORCHVISION:-0.26.0}"
+)
 download() {
   local dest=$1; shift
+  # sglang's wheels are manylinux_2_34 only; older tags first, so that a package with
+  # both takes the one that loads on older C libraries.
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d "$dest" "$@"
+    --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 --platform any -d "$dest" "$@"
 }
+# SGLang's wheel less its Rust extension modules (the HTTP/gRPC server, multimodal
+# processors and benchmark: 17 MiB of its 37), which nothing on the HiCache path loads,
+# so that the set travels within the limit beside the tox wheels. RECORD loses their
+# lines; SGLANG_FULL_WHEEL=1 keeps the wheel as published.
+slim_sglang() {
+  [ -n "${SGLANG_FULL_WHEEL:-}" ] && return 0
+  local wheel
+  for wheel in .whl/extra/sglang-*.whl; do
+    python3 - "$wheel" <<'EOF'
+import os, sys, zipfile
+path = sys.argv[1]
+dropped = lambda name: name.startswith("sglang/srt/rust_extensions/") and ".so" in name.rsplit("/", 1)[-1]
+with zipfile.ZipFile(path) as src:
+    names = [i.filename for i in src.infolist()]
+    if not any(dropped(n) for n in names):
+        sys.exit(0)
+    with zipfile.ZipFile(path + ".part", "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            if dropped(info.filename):
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(line for line in data.splitlines(keepends=True) if not dropped(line.split(b",")[0].decode()))
+            dst.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+os.replace(path + ".part", path)
+print(f"{os.path.basename(path)}: Rust extension modules left out")
+EOF
+  done
+}
+SGLANG=""
+if [ "${1:-}" = "--sglang" ]; then SGLANG=1; shift; fi
 mkdir -p .whl
 download .whl "${TOX_CLOSURE[@]}"
+if [ -n "$SGLANG" ]; then
+  mkdir -p .whl/extra
+  download .whl/extra "${SGLANG_SET[@]}"
+  slim_sglang
+fi
 if [ $# -gt 0 ]; then
   mkdir -p .whl/extra
   download .whl/extra "$@"
 fi
-du -sh .whl
+if [ -d .whl/extra ]; then du -b .whl/extra/* | sort -n | awk '{printf "%8.2f MiB  %s\n", $1 / 1048576, $2}'; fi
+du -sh .whl .whl/extra 2>/dev/null || true
+# The limit counts everything that travels: the tracked tree and the carried folders.
+echo "tracked tree: $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes; carry \`.whl\` (or \`.whl/extra\` alone for the round) within 64 MiB with it"

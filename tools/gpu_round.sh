@@ -39,7 +39,14 @@ if compgen -G ".whl/extra/*.whl" >/dev/null; then
     rm -rf /tmp/pkv-extra/torchvision /tmp/pkv-extra/torchvision-*.dist-info /tmp/pkv-extra/torchvision.libs
     echo "torchvision: the host's own" | tee -a "$LOG"
   fi
-  python3 -m pip install -q --no-deps --no-compile --no-warn-conflicts --upgrade --target /tmp/pkv-extra "${EXTRA[@]}" 2>&1 | grep -v "^WARNING: Running pip as" | tee -a "$LOG"
+  pip_extra() {
+    python3 -m pip install -q --no-deps --no-compile --no-warn-conflicts --upgrade --target /tmp/pkv-extra "$@" 2>&1 \
+      | { grep -v "^WARNING: Running pip as" || true; } | tee -a "$LOG"
+    return "${PIPESTATUS[0]}"
+  }
+  # One wheel this host refuses (sglang's are manylinux_2_34 only: glibc 2.34 or later) fails
+  # the whole call; then each goes on its own, so that the others are still installed.
+  pip_extra "${EXTRA[@]}" || for wheel in "${EXTRA[@]}"; do pip_extra "$wheel"; done
   HOST_SITE_PACKAGES=/tmp/pkv-extra${HOST_SITE_PACKAGES:+:$HOST_SITE_PACKAGES}
 fi
 export HOST_SITE_PACKAGES

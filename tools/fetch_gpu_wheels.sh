@@ -27,8 +27,8 @@ TOX_CLOSURE=(
 # KV-cache configurator and builder, storage tiers (HiCacheFile), scheduler and model worker
 # (what tests/sglang/mimokit.py builds the MiMo-V2-Flash stack from), with CUDA detected and
 # tests/gpu/standins in place of sgl_kernel, and adding what failed one at a time.
-# Versions as tox.ini's [testenv:sglang] pins them; openai as sglang 0.5.23 pins it (the
-# newest openai needs httpx2).
+# Versions as tox.ini's [testenv:sglang] pins them (those it leaves to pip, as pip resolves
+# them there); openai as sglang 0.5.23 pins it (the newest openai needs httpx2).
 SGLANG_SET=(
   sglang==0.5.23
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5

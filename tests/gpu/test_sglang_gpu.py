@@ -280,7 +280,7 @@ def test_controller_streams_and_per_layer_waits_are_bit_exact(kit, gpu, compute,
         pools = stack.host_pools()
         assert {type(pool) for pool in pools.values()} == {SGLangHostPool}
         assert {pool.backend.name for pool in pools.values()} == {gpu.name}
-        assert stack.kvcache.device.type == "cuda" and all(b.is_cuda for b in stack.device_buffers().values())
+        assert torch.device(stack.kvcache.device).type == "cuda" and all(b.is_cuda for b in stack.device_buffers().values())
         if path == "staged":  # stage these small transfers too (the shipped rule sends them to the kernel path)
             for pool in pools.values():
                 pool._mover("staged").rule = staged.EVERY_PLAN

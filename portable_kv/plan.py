@@ -50,7 +50,10 @@ class IndexPair:
     """
 
     def __init__(self, host: torch.Tensor, device: torch.Tensor) -> None:
-        self._by_device = {host.device: (_dense(host), _dense(device.to(host.device)))}
+        # As given: copies are made where and when a mover asks, so GPU-resident indices
+        # are read on the host only by the paths that plan on the host (never by kernel io).
+        self._given = (host, device)
+        self._by_device: dict = {}
         self.tokens = int(host.numel())
         self._runs: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._inside: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool]] = {}
@@ -64,16 +67,11 @@ class IndexPair:
         key = device if device.type == "cpu" else (device, raw_stream(device.index))
         pair = self._by_device.get(key)
         if pair is None:
-            host, dev = next(iter(self._by_device.values()))
-            if device.type == "cpu":
-                # GPU-resident indices may still be being written by the current stream:
-                # one blocking copy of both waits for it once (a non-blocking copy
-                # read at once could see the values before they exist).
-                both = torch.stack((host, dev)).to(device)
-                pair = (both[0], both[1])
-            else:
-                # Stream-ordered on the device: a kernel launched after reads the copy.
-                pair = (host.to(device, non_blocking=True), dev.to(device, non_blocking=True))
+            # To the CPU: GPU-resident indices may still be being written by the current
+            # stream, and a blocking copy waits for it (a non-blocking copy read at once could
+            # see the values before they exist).  To a GPU: stream-ordered, a kernel launched
+            # after reads the copy.
+            pair = tuple(_dense(_copy_to(t, device)) for t in self._given)
             self._by_device[key] = pair
         return pair
 
@@ -103,6 +101,17 @@ def raw_stream(index: int) -> int:
 
 if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # ~0.3 us where the public call takes a few
     raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
+
+
+def _copy_to(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return indices.to(device)
+    if indices.device.type == "cpu" and not indices.is_pinned():
+        # From pageable memory the driver first waits for the stream's earlier work on the
+        # host (CUDA's and HIP's rule for async copies to the device): an engine's load stream
+        # waiting for its model stream would hold the caller until the model got there.
+        indices = indices.pin_memory()
+    return indices.to(device, non_blocking=True)
 
 
 def _dense(indices: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,12 @@ class SGLangHostPool(AsymmetricHostPool):
             pin_memory=pin_memory,
         )
         self.target_layer_num = target.layer_num
+        # SGLang's kernel io passes device indices on the GPU and host indices on the CPU.
+        # Reading the device ones on the host would hold the scheduler thread until the load
+        # stream, which waits for the model's stream, reached the call: the forward could
+        # not be enqueued ahead.  SGLang's allocator hands them out; the kernels bound-check
+        # them (an index outside the pools is skipped and flagged, the next call raises).
+        self._validator.read_gpu_indices = False
         self._packed = packed if draft_buffer_infos else None
         self.start_layer = start_layer
         self.end_layer = start_layer + target.layer_num if end_layer is None else end_layer

@@ -122,6 +122,9 @@ class IndexValidator:
     def __init__(self, host_tokens: int, page_size: int, layout: str, validate: bool) -> None:
         self.host_tokens, self.page_size, self.layout, self.validate = host_tokens, page_size, layout, validate
         self.validations = 0  # how many pairs were validated (not found kept): tests count them
+        # False: GPU-resident device indices beside CPU host indices are not read on the host
+        # (SGLangHostPool: SGLang's kernel io passes them so); the kernels bound-check them.
+        self.read_gpu_indices = True
         self._kept: IdentityCache[ValidatedPair] = IdentityCache(VALIDATED_KEPT)
 
     def __call__(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
@@ -141,22 +144,34 @@ class IndexValidator:
         dev = index_tensor("device_indices", device_indices)
         if host.numel() != dev.numel():
             raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
-        host, dev = _owned_int64(host), _owned_int64(dev)
+        host = _owned_int64(host)
+        if dev.device.type != "cpu" and host.device.type == "cpu" and not self.read_gpu_indices:
+            # Reading them would block the host until the current stream reaches this call
+            # (an engine's load stream waits for its model stream): the kernels bound-check
+            # every index instead, skipping and flagging one outside the pools.
+            if self.validate:
+                self._check(host.numpy(), "host_indices", self.host_tokens, unique=not to_device)
+            self.validations += 1
+            return ValidatedPair(IndexPair(host, dev), _snapshot(host_indices, host), None)
+        dev = _owned_int64(dev)
         snapshots = _snapshot(host_indices, host), _snapshot(device_indices, dev)
         if dev.device != host.device:
             dev = dev.to(host.device)
         pair = IndexPair(host, dev)
         if self.validate:
             host_np, dev_np = pair.numpy()  # GPU-resident indices: one copy, after the stream that produced them
-            check_range("host_indices", host_np, self.host_tokens)
-            check_range("device_indices", dev_np, device_tokens)
-            if self.layout in PAGE_LAYOUTS:
-                check_whole_pages("host_indices", host_np, self.page_size, self.layout)
-                check_whole_pages("device_indices", dev_np, self.page_size, self.layout)
-            # Two writes to one slot would race on a GPU: the result would depend on timing.
-            check_unique("device_indices" if to_device else "host_indices", dev_np if to_device else host_np)
+            self._check(host_np, "host_indices", self.host_tokens, unique=not to_device)
+            self._check(dev_np, "device_indices", device_tokens, unique=to_device)
         self.validations += 1
         return ValidatedPair(pair, *snapshots)
+
+    def _check(self, values: np.ndarray, name: str, limit: int, unique: bool) -> None:
+        check_range(name, values, limit)
+        if self.layout in PAGE_LAYOUTS:
+            check_whole_pages(name, values, self.page_size, self.layout)
+        if unique:
+            # Two writes to one slot would race on a GPU: the result would depend on timing.
+            check_unique(name, values)
 
     def clear(self) -> None:
         self._kept.clear()

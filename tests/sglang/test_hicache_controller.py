@@ -95,6 +95,18 @@ END_LAYERS = {
 }
 
 
+def write_then_load(allocator, host, io: str):
+    """Two pages through SGLang's controller: written to the host, loaded back to new device slots."""
+    controller = HiCacheController(allocator, host, PAGE, tp_group=None, load_cache_event=threading.Event(), io_backend=io, write_policy="write_through")
+    written = allocator.alloc(2 * PAGE)
+    host_indices = controller.write(written)
+    wait(controller.ack_write_queue.pop())
+    loaded = controller.load(host_indices)
+    controller.start_loading()
+    wait(controller.ack_load_queue.pop())
+    return written, loaded
+
+
 @pytest.mark.parametrize("passed", END_LAYERS)
 def test_end_layer_is_stored_as_sglang_passes_it(topology, installed, passed):
     layers, expected = END_LAYERS[passed]
@@ -104,13 +116,7 @@ def test_end_layer_is_stored_as_sglang_passes_it(topology, installed, passed):
     assert isinstance(host, pk_sglang.SGLangHostPool)
     assert (host.start_layer, host.end_layer) == (dev.start_layer, dev.end_layer) == (layers.get("start_layer", 0), expected)
     assert host.layer_num == host.target_layer_num == LAYERS
-    controller = HiCacheController(allocator, host, PAGE, tp_group=None, load_cache_event=threading.Event(), io_backend="kernel", write_policy="write_through")
-    written = allocator.alloc(2 * PAGE)
-    host_indices = controller.write(written)
-    wait(controller.ack_write_queue.pop())
-    loaded = controller.load(host_indices)
-    controller.start_loading()
-    wait(controller.ack_load_queue.pop())
+    written, loaded = write_then_load(allocator, host, "kernel")
     for k, v in zip(dev.k_buffer, dev.v_buffer):
         assert torch.equal(k[loaded].view(torch.int16), k[written].view(torch.int16))
         assert torch.equal(v[loaded].view(torch.int16), v[written].view(torch.int16))
@@ -135,13 +141,7 @@ def test_the_sglang_io_setting_maps_sglangs_choice_to_a_portable_kv_path(topolog
         transfer(device_pool, host_indices, device_indices, layers, to_device, io_backend)
 
     host._transfer = recorded
-    controller = HiCacheController(allocator, host, PAGE, tp_group=None, load_cache_event=threading.Event(), io_backend=sglang_io, write_policy="write_through")
-    written = allocator.alloc(2 * PAGE)
-    host_indices = controller.write(written)
-    wait(controller.ack_write_queue.pop())
-    loaded = controller.load(host_indices)
-    controller.start_loading()
-    wait(controller.ack_load_queue.pop())
+    written, loaded = write_then_load(allocator, host, sglang_io)
     assert used and set(used) == {path}
     assert all(torch.equal(k[loaded].view(torch.int16), k[written].view(torch.int16)) for k in dev.k_buffer)
     host.destroy()

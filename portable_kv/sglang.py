@@ -165,7 +165,7 @@ class SGLangHostPool(AsymmetricHostPool):
         elif layer_id >= self.target_layer_num:
             return
         else:
-            device_pool = self._with_target(device_pool)
+            device_pool = self._with_target(device_pool, layers)
         self._transfer(device_pool, host_indices, device_indices, layers, True, self._io(io_backend))
 
     def load_to_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
@@ -173,7 +173,8 @@ class SGLangHostPool(AsymmetricHostPool):
 
     def backup_from_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
                                      io_backend: str | None = None) -> None:
-        super().backup_from_device_per_layer(self._with_target(device_pool), host_indices, device_indices, layer_id, self._io(io_backend))
+        super().backup_from_device_per_layer(self._with_target(device_pool, self._layer(layer_id)), host_indices, device_indices, layer_id,
+                                             self._io(io_backend))
 
     def backup_from_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
         """D2H, every layer: the target's from `device_pool`, each packed draft's from its own device pool."""
@@ -182,9 +183,9 @@ class SGLangHostPool(AsymmetricHostPool):
     def _io(self, io_backend: str | None) -> str | None:
         return self._io_for.get(io_backend, io_backend) if type(io_backend) is str else io_backend
 
-    def _with_target(self, device_pool: Any) -> Any:
-        """The device view a target transfer moves: `device_pool` itself, or with drafts
-        the packed view with `device_pool`'s per-layer tensors in front."""
+    def _with_target(self, device_pool: Any, layers: range | None = None) -> Any:
+        """The device view a target transfer of `layers` (default: all) moves: `device_pool`
+        itself, or with drafts the packed view with `device_pool`'s per-layer tensors in front."""
         packed = self._packed
         if packed is None:
             return device_pool
@@ -192,8 +193,10 @@ class SGLangHostPool(AsymmetricHostPool):
         if not isinstance(k, Sequence) or not isinstance(v, Sequence) or len(k) != self.target_layer_num or len(v) != self.target_layer_num:
             raise ValueError(f"device_pool: expected the target model's device pool of {self.target_layer_num} layers "
                              f"(this pool packs {self.layer_num - self.target_layer_num} draft layers after them)")
-        _follow(packed.k_buffer, k, 0)
-        _follow(packed.v_buffer, v, 0)
+        # A per-layer call follows its own layer only: it is on the per-call host-time budget.
+        moved = range(self.target_layer_num) if layers is None else range(layers.start, min(layers.stop, self.target_layer_num))
+        _follow(packed.k_buffer, k, moved)
+        _follow(packed.v_buffer, v, moved)
         return packed
 
     def _with_draft(self, device_pool: Any, layer_id: int) -> Any:
@@ -201,8 +204,7 @@ class SGLangHostPool(AsymmetricHostPool):
         k, v = getattr(device_pool, "k_buffer", None), getattr(device_pool, "v_buffer", None)
         if packed is None or not isinstance(k, Sequence) or not isinstance(v, Sequence) or len(k) != 1 or len(v) != 1:
             raise ValueError("device_pool: with is_draft=True, expected the one-layer device pool of the draft packed at layer_id")
-        _follow(packed.k_buffer, k, layer_id)
-        _follow(packed.v_buffer, v, layer_id)
+        packed.k_buffer[layer_id], packed.v_buffer[layer_id] = k[0], v[0]
         return packed
 
 
@@ -225,12 +227,11 @@ def _packed_device_pool(target: DeviceKVPool, draft_buffer_infos: Sequence[Any],
     return DeviceKVPool.from_buffers(k, v, page_size)
 
 
-def _follow(packed: list, given: Sequence[torch.Tensor], first: int) -> None:
-    """Put the per-layer tensors SGLang passed into the packed view where they differ
-    (the pool's binding sees the change by identity and checks that layer again)."""
-    for offset, tensor in enumerate(given):
-        if packed[first + offset] is not tensor:
-            packed[first + offset] = tensor
+def _follow(packed: list, given: Sequence[torch.Tensor], layers: range) -> None:
+    """Put the per-layer tensors SGLang passed into the packed view (the pool's binding
+    sees a changed tensor by identity and checks that layer again)."""
+    for layer in layers:
+        packed[layer] = given[layer]
 
 
 def io_mapping() -> dict[str, str]:

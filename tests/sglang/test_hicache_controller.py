@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from sglangkit import LAYERS, PAGE, SKIP_REASON, device_pool
+from sglangkit import DEVICE_TOKENS, DTYPE, HEADS, LAYERS, PAGE, SKIP_REASON, device_pool
 
 pytest.importorskip("sglang.srt.managers.cache_controller", reason=SKIP_REASON)
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
@@ -163,3 +163,58 @@ def test_mla_keeps_sglangs_pool(installed):
     assert "MLA" in pk_sglang.unsupported_reason(MLABufferInfo())
     with pytest.raises(NotImplementedError, match="MLA"):
         pk_sglang.SGLangHostPool(MLABufferInfo(), 2.0, 0, PAGE, "page_first", device_capacity_tokens=64)
+
+
+def draft_pools(k_dim: int, v_dim: int, count: int = 2, layers: int = 1):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    drafts = tuple(MHATokenToKVPool(DEVICE_TOKENS, PAGE, DTYPE, HEADS, k_dim, layers, "cpu", False, v_head_dim=v_dim) for _ in range(count))
+    for draft in drafts:
+        for buffer in [*draft.k_buffer, *draft.v_buffer]:
+            buffer.view(torch.int16).random_()
+    return drafts
+
+
+def test_packed_draft_layers_load_into_their_own_pools_and_back_up_from_them(topology, installed):
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_only_group
+
+    topology(hicache_ratio=2.0, hicache_mem_layout="page_first", hicache_io_backend="kernel")
+    dev, _ = device_pool(24, 16)
+    drafts = draft_pools(24, 16)
+    group = build_kv_only_group(page_size=PAGE, kv_pool=dev, full_layer_mapping={i: i for i in range(LAYERS)}, use_mla=False,
+                                mtp_draft_device_pools=drafts)
+    host = group.entries[0].host_pool
+    assert isinstance(host, pk_sglang.SGLangHostPool)
+    assert (host.target_layer_num, host.layer_num) == (LAYERS, LAYERS + 2)
+    slots, others = torch.arange(2 * PAGE), torch.arange(4 * PAGE, 6 * PAGE)
+    host.backup_from_device_all_layer(dev, slots, slots, "kernel")
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dev, slots, others, layer, "kernel")
+    host.load_to_device_per_layer(dev, slots, others, LAYERS, "kernel")  # a target call past the target's layers: nothing
+    assert not any(torch.equal(d.k_buffer[0][others].view(torch.int16), d.k_buffer[0][slots].view(torch.int16)) for d in drafts)
+    for depth, draft in enumerate(drafts):
+        host.load_to_device_per_layer(draft, slots, others, LAYERS + depth, "kernel", is_draft=True)
+    for pool in (dev, *drafts):
+        for buffer in [*pool.k_buffer, *pool.v_buffer]:
+            assert torch.equal(buffer[others].view(torch.int16), buffer[slots].view(torch.int16))
+    with pytest.raises(ValueError, match=r"^layer_id: expected a packed draft layer in \[3, 5\)"):
+        host.load_to_device_per_layer(drafts[0], slots, others, 0, "kernel", is_draft=True)
+    with pytest.raises(ValueError, match="^device_pool: with is_draft=True, expected the one-layer device pool"):
+        host.load_to_device_per_layer(dev, slots, others, LAYERS, "kernel", is_draft=True)
+    with pytest.raises(ValueError, match="^device_pool: expected the target model's device pool of 3 layers"):
+        host.backup_from_device_all_layer(drafts[0], slots, slots, "kernel")
+    host.destroy()
+
+
+@pytest.mark.parametrize(("dims", "layers", "message"), [
+    ((16, 16), 1, r"^draft_buffer_infos\[1\]: expected K rows like the target's"),
+    ((24, 16), 2, r"^draft_buffer_infos\[1\]: expected one packed draft layer, got 2"),
+])
+def test_a_draft_unlike_the_target_is_named(topology, installed, dims, layers, message):
+    topology(hicache_ratio=2.0, hicache_mem_layout="page_first", hicache_io_backend="kernel")
+    dev, _ = device_pool(24, 16)
+    good, bad = draft_pools(24, 16, count=1)[0], draft_pools(*dims, count=1, layers=layers)[0]
+    infos = tuple(pool.get_device_pool_infos()[0].buffer_info for pool in (good, bad))
+    target = dev.get_device_pool_infos()[0].buffer_info
+    with pytest.raises(ValueError, match=message):
+        pk_sglang.SGLangHostPool(target, 2.0, 0, PAGE, "page_first", device_capacity_tokens=dev.size, draft_buffer_infos=infos)

@@ -48,3 +48,17 @@ def opened(tmp_path_factory):
         host.close()
     for running in masters:
         running.stop()
+
+
+# Each store in turn: a test that takes `kind` runs against both, alike.
+STORES = ["local", pytest.param("mooncake", marks=pytest.mark.skipif(MOONCAKE_MISSING, reason="Mooncake is not installed"))]
+
+
+@pytest.fixture(params=STORES)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture
+def store_master(kind, request):
+    return request.getfixturevalue("master") if kind == "mooncake" else None

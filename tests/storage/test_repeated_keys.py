@@ -6,21 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from storekit import MOONCAKE_MISSING, changed_pages, make_host, open_store, page_bytes, page_tokens, pool_bytes, unique_keys
+from storekit import changed_pages, make_host, open_store, page_bytes, page_tokens, pool_bytes, unique_keys
 
 from portable_kv.layout import LAYOUTS
-
-STORES = ["local", pytest.param("mooncake", marks=pytest.mark.skipif(MOONCAKE_MISSING, reason="Mooncake is not installed"))]
-
-
-@pytest.fixture(params=STORES)
-def kind(request):
-    return request.param
-
-
-@pytest.fixture
-def store_master(kind, request):
-    return request.getfixturevalue("master") if kind == "mooncake" else None
 
 
 def same_page(host, page: int, expected) -> bool:

@@ -11,18 +11,6 @@ from storekit import MOONCAKE_MISSING, changed_pages, make_host, open_store, pag
 from portable_kv import storage
 from portable_kv.layout import LAYOUTS
 
-STORES = ["local", pytest.param("mooncake", marks=pytest.mark.skipif(MOONCAKE_MISSING, reason="Mooncake is not installed"))]
-
-
-@pytest.fixture(params=STORES)
-def kind(request):
-    return request.param
-
-
-@pytest.fixture
-def store_master(kind, request):
-    return request.getfixturevalue("master") if kind == "mooncake" else None
-
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)

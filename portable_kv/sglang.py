@@ -132,7 +132,7 @@ class SGLangHostPool(AsymmetricHostPool):
             packed,
             host_to_device_ratio=(tokens - 0.5) / packed.size,
             layout=layout,
-            io_backend=self._io_for.get(io_backend, io_backend),
+            io_backend=self._io(io_backend),
             pin_memory=pin_memory,
         )
         self.target_layer_num = target.layer_num

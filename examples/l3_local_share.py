@@ -21,6 +21,7 @@ import torch
 import portable_kv as pk
 from portable_kv import backends
 from portable_kv.storage import LocalStore
+from portable_kv.testing import bits, page_tokens, randomize
 
 PAGE = 16
 KEYS = ["prefix-0", "prefix-1", "prefix-2", "prefix-3"]  # an engine's keys: hashes of each page's tokens and prefix
@@ -34,19 +35,19 @@ def pools() -> tuple[pk.DeviceKVPool, pk.AsymmetricHostPool]:
 
 def slots(pages: list[int]) -> torch.Tensor:
     """Every token of whole pages: a store moves whole pages."""
-    return (torch.tensor(pages)[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
+    return page_tokens(torch.tensor(pages), PAGE)
 
 
 def device_bytes(dev: pk.DeviceKVPool, tokens: torch.Tensor) -> list[bytes]:
     """The K and V bytes of `tokens` over every layer (bf16 as raw bits: random bits include NaNs)."""
-    return [b"".join(layer[tokens.to(layer.device)].view(torch.int16).cpu().numpy().tobytes() for layer in side)
-            for side in (dev.k_buffer, dev.v_buffer)]
+    return [b"".join(bits(layer[tokens.to(layer.device)]).numpy().tobytes() for layer in side) for side in (dev.k_buffer, dev.v_buffer)]
 
 
 def writer(path: str, answer: multiprocessing.Queue) -> None:
     dev, host = pools()
+    random = torch.Generator().manual_seed(0)
     for buffer in dev.k_buffer + dev.v_buffer:
-        buffer.view(torch.int16).copy_(torch.randint(-2**15, 2**15, buffer.shape, dtype=torch.int16))
+        randomize(buffer, random)
     device_pages, host_pages = slots([5, 1, 6, 2]), slots([9, 3, 12, 0])
     host.backup_from_device_all_layer(dev, host_pages, device_pages)
     backends.current().synchronize()  # put reads host memory: the backup must have landed

@@ -1,9 +1,10 @@
 """One cache helper for every fact the package keeps about an engine's tensors.
 
 The rule, everywhere: an entry is found by the identity of the objects it was
-computed for (and an optional stamp that must compare equal, e.g. tensor
-versions), at most `limit` entries are kept, and the least recently used one
-goes first.  Keys are held by weak reference where the object allows it: a
+computed for and an optional key compared by value (entries of different keys
+are kept side by side); a stamp, if given, must compare equal too (e.g. tensor
+versions: an entry with another stamp is replaced); at most `limit` entries are
+kept, and the least recently used one goes first.  Keys are held by weak reference where the object allows it: a
 cached fact never keeps an engine's tensor (or a host pool's memory) alive,
 and the id of a freed tensor, reused by a new one, is never mistaken for it.
 """
@@ -48,7 +49,7 @@ def _ref(obj: object, on_death: Callable[[object], None] | None) -> Callable[[],
 
 
 class IdentityCache(Generic[Value]):
-    """At most `limit` values, keyed by the identity of a sequence of objects; LRU eviction."""
+    """At most `limit` values, keyed by the identity of a sequence of objects and a value key; LRU eviction."""
 
     def __init__(self, limit: int) -> None:
         if limit < 1:
@@ -56,18 +57,18 @@ class IdentityCache(Generic[Value]):
         self.limit = limit
         self._entries: OrderedDict[tuple, tuple[_Identity, Hashable, Value]] = OrderedDict()
 
-    def lookup(self, objects: Sequence[object], stamp: Hashable = None) -> Value | None:
+    def lookup(self, objects: Sequence[object], stamp: Hashable = None, key: Hashable = None) -> Value | None:
         flat = _flat(objects)
-        key = tuple(map(id, flat))
+        key = (key, *map(id, flat))
         entry = self._entries.get(key)
         if entry is None or entry[1] != stamp or not entry[0].matches(flat):
             return None
         self._entries.move_to_end(key)
         return entry[2]
 
-    def store(self, objects: Sequence[object], value: Value, stamp: Hashable = None) -> Value:
+    def store(self, objects: Sequence[object], value: Value, stamp: Hashable = None, key: Hashable = None) -> Value:
         flat = _flat(objects)
-        key = tuple(map(id, flat))
+        key = (key, *map(id, flat))
         cache = weakref.ref(self)  # the callback must not keep the cache alive
 
         def on_death(_: object) -> None:
@@ -84,9 +85,9 @@ class IdentityCache(Generic[Value]):
             self._entries.popitem(last=False)
         return value
 
-    def get(self, objects: Sequence[object], build: Callable[[], Value], stamp: Hashable = None) -> Value:
-        value = self.lookup(objects, stamp)
-        return value if value is not None else self.store(objects, build(), stamp)
+    def get(self, objects: Sequence[object], build: Callable[[], Value], stamp: Hashable = None, key: Hashable = None) -> Value:
+        value = self.lookup(objects, stamp, key)
+        return value if value is not None else self.store(objects, build(), stamp, key)
 
     def clear(self) -> None:
         self._entries.clear()

@@ -1,5 +1,4 @@
-"""The split K/V roundtrip that `portable-kv check` runs for every layout x io backend,
-and the byte-level helpers the test suite shares with it (one copy, here)."""
+"""`portable-kv check`: the split K/V roundtrip for every layout x io path, and an L3 round trip."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import torch
 import portable_kv as pk
 
 from . import backends
+from .testing import bits, page_tokens, randomize
 
 
 @dataclass
@@ -40,24 +40,6 @@ class Geometry:
 
 
 GEOMETRY = Geometry()
-
-
-def randomize(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random bit patterns (NaNs included): results are compared as bytes, never as floats."""
-    raw = torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=generator)
-    t.view(-1).view(torch.uint8).copy_(raw.to(t.device))
-    return t
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """A copy of the bytes of a tensor, on the CPU: a snapshot that later writes to `t` leave alone
-    (`.cpu()` of a CPU tensor would be `t` itself)."""
-    return t.contiguous().view(torch.uint8).to("cpu", copy=True)
-
-
-def page_tokens(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """All token slots of the given pages, page after page."""
-    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
 def roundtrip(layout: str, io_backend: str, geometry: Geometry = GEOMETRY, seed: int = 0) -> CheckResult:

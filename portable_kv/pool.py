@@ -18,14 +18,15 @@ import numpy as np
 import torch
 
 from . import backends
-from .backends.base import IO_BACKENDS, Backend, Mover
+from .backends.base import Backend
 from .device_pool import DeviceGeometry, DeviceKVPool, device_geometry, positive_int
 from .host_memory import HOST_MEMORY, HostMemory, check_available
+from .io.mover import IO_PATHS, Mover
 from .layout import LAYOUTS, check_layout, host_shape
 from .numa import Placement, placement
 from .pages import PageAccess
-from .plan import TensorPair, Transfer, tensor_pair
 from .sglang_surface import SGLangSurface
+from .transfer import TensorPair, Transfer, tensor_pair
 from .validation import IndexValidator
 
 # Registered host memory is split into pieces of whole pages: a page-major layout
@@ -96,8 +97,8 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._init_allocator()
 
     def _check_io(self, io_backend: str) -> str:
-        if not isinstance(io_backend, str) or io_backend not in IO_BACKENDS:
-            raise ValueError(f"io_backend: expected one of {', '.join(IO_BACKENDS)}, got {io_backend!r}")
+        if not isinstance(io_backend, str) or io_backend not in IO_PATHS:
+            raise ValueError(f"io_backend: expected one of {', '.join(IO_PATHS)}, got {io_backend!r}")
         if io_backend not in self.backend.io_backends:
             raise ValueError(f"io_backend: backend {self.backend.name!r} offers {', '.join(self.backend.io_backends)}, got {io_backend!r}")
         return io_backend

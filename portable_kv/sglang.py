@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from . import config
-from .backends.base import IO_BACKENDS
 from .device_pool import DeviceKVPool
+from .io.mover import IO_PATHS
 from .pool import AsymmetricHostPool
 
 logger = logging.getLogger(__name__)
@@ -250,8 +250,8 @@ def io_mapping() -> dict[str, str]:
     mapping = {}
     for pair in pairs:
         choice, _, path = (text.strip() for text in pair.partition("="))
-        if choice not in SGLANG_IO_CHOICES or path not in IO_BACKENDS:
-            raise config.ConfigError(f"{config.SGLANG_IO.name}: expected one of {', '.join(IO_BACKENDS)} or pairs like "
+        if choice not in SGLANG_IO_CHOICES or path not in IO_PATHS:
+            raise config.ConfigError(f"{config.SGLANG_IO.name}: expected one of {', '.join(IO_PATHS)} or pairs like "
                                      f"kernel=staged,direct=auto (SGLang's choices: {', '.join(SGLANG_IO_CHOICES)}), got {raw!r}")
         mapping[choice] = path
     return mapping

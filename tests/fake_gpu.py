@@ -1,8 +1,9 @@
 """A GPU backend whose 'device' is the CPU and whose kernel is a Python model of
-kernels_common/kv_copy.h: it runs the real argument packing of backends/kernel_args.py
+kernels_common/kv_copy.h: it runs the real argument packing of io/kernel_args.py
 (struct layout, access width, vector counts, layer tables) through the real
 KernelMover, and executes the copy the kernel would do, vector by vector, on raw
-addresses.  Its copy engines are memmove over the real DMA plan, and row by row for 2-D copies."""
+addresses.  Its copy engines are memmove over the real plans, row by row for 2-D
+copies, each done when its call returns (no streams to order)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import weakref
 import numpy as np
 import torch
 
-from portable_kv.backends.base import Mover
 from portable_kv.backends.cuda import KERNEL_SOURCE
-from portable_kv.backends.dma import HostCopyMover
 from portable_kv.backends.gpu import GpuBackend
 from portable_kv.backends.jit import KernelSpec
-from portable_kv.backends.kernel_args import KERNEL_WIDTHS, CopyArgs
 from portable_kv.backends.runtime import DeviceRuntime
-from portable_kv.plan import CopyBatch
+from portable_kv.io.engine import CopyBatch
+from portable_kv.io.kernel_args import KERNEL_WIDTHS, CopyArgs
+from portable_kv.io.mover import Mover
+from portable_kv.io.streams import InlineStreams, Streams
 
 
 def pkv_div(n: int, magic: int, shift: int) -> int:
@@ -68,6 +69,7 @@ class SimulatedRuntime(DeviceRuntime):
         self.registered: list[tuple[int, int]] = []
         self.copies_2d: list[tuple[int, int, int, int, int, int]] = []  # (dst, dst_pitch, src, src_pitch, width, height)
         super().__init__(_VersionOnly(), 0)
+        self.device = torch.device("cpu")
         self.has_batch = True  # batch_call below
 
     import_bindings = staticmethod(lambda: (None, None))  # no vendor binding: nothing is compiled
@@ -104,8 +106,8 @@ class SimulatedRuntime(DeviceRuntime):
     def current_stream(self) -> int:
         return 0
 
-    def direct_mover(self) -> Mover:
-        return HostCopyMover()  # no streams without a GPU: the plan, memmoved
+    def streams(self) -> Streams:
+        return InlineStreams(self.current_stream)
 
     def register_host(self, address: int, nbytes: int) -> int:
         self.registered.append((address, nbytes))
@@ -147,9 +149,6 @@ class SimulatedGpuBackend(GpuBackend):
     @classmethod
     def unavailable_reason(cls):
         return None
-
-    def _device(self) -> torch.device:
-        return torch.device("cpu")
 
     def synchronize(self) -> None:
         pass

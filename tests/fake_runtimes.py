@@ -135,27 +135,23 @@ CUDART_SYMBOLS = ("cudaRuntimeGetVersion", "cudaMemcpyBatchAsync", "cudaMemcpyAs
                   *("cuda" + name for name in EVENT_CALLS))
 
 
-def cpu_device(self) -> torch.device:
-    return torch.device("cpu")
-
-
-def no_stream(self) -> int:
-    """A runtime's current stream where no GPU is: a fixed handle the tests look for."""
-    return 0x5EED
-
-
 FAKE_STREAM = 0x5EED  # the stream handle the fake runtimes report as current
 
 
 def fake_rocm_backend(monkeypatch, tmp_path):
-    """A RocmBackend over the fake hip-python and libamdhip64 (device: the CPU); returns
-    (backend, hip, hiprtc, lib)."""
+    """A RocmBackend over the fake hip-python and libamdhip64; returns (backend, hip, hiprtc, lib).
+
+    Its device is the CPU, where nothing runs behind a call: the runtime's copy engine
+    orders no streams (InlineStreams), on one fixed stream handle the tests look for."""
     from portable_kv.backends import rocm
+    from portable_kv.io.streams import InlineStreams
 
     hip, hiprtc = install_fake_hip(monkeypatch)
     monkeypatch.setenv("PORTABLE_KV_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(rocm.RocmBackend, "_device", cpu_device)
     monkeypatch.setattr(rocm.HipRuntime, "arch", lambda self: "gfx942:sramecc+:xnack-")
     monkeypatch.setattr(rocm.HipRuntime, "current_stream", lambda self: FAKE_STREAM)
+    monkeypatch.setattr(rocm.HipRuntime, "streams", lambda self: InlineStreams(self.current_stream))
     lib = FakeLib(70200000, HIP_SYMBOLS)
-    return rocm.RocmBackend(runtime=rocm.HipRuntime(lib=lib)), hip, hiprtc, lib
+    runtime = rocm.HipRuntime(lib=lib)
+    runtime.device = torch.device("cpu")
+    return rocm.RocmBackend(runtime=runtime), hip, hiprtc, lib

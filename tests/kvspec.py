@@ -1,13 +1,13 @@
 """Test-side statement of the contract (docs/API.md), written independently of the package's layout code.
 
-The byte helpers (bits, randomize, page_tokens) are `portable-kv check`'s own, re-exported here.
+The byte helpers (bits, randomize, page_tokens) are portable_kv.testing's, re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from portable_kv.check import bits, page_tokens, randomize
+from portable_kv.testing import bits, page_tokens, randomize
 
 DTYPES = [torch.float16, torch.bfloat16] + ([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
 TOKEN_LAYOUTS = ("layer_first", "page_first")

@@ -9,7 +9,7 @@ and round-robin over two or three, timed on the device and on the host; a chunk-
 load beside the kernel as it is, at 32 blocks, with cached device-side writes, a
 device-to-device copy, a sleep and nothing; then per-layer loads of every io path
 issued one at a time from an idle GPU and all layers back to back, as an engine
-issues them.  `--chunks`: full chunks before the taper (runs.PIPELINE_CHUNKS).
+issues them.  `--chunks`: full chunks before the taper (staged_plan.PIPELINE_CHUNKS).
 
 Run on an NVIDIA host (CUDA >= 12.8 for the batched call): python3 tools/copy_engine_probe.py [--page-sizes 64,16] [--batched-only] [--json out.json]
 """
@@ -26,12 +26,13 @@ import numpy as np
 import torch
 from staged_probe import layer_transfer  # a sibling in tools/, on the path when run as a script
 
-from portable_kv import backends, runs
+from portable_kv import backends
 from portable_kv.bench.measure import Clock, gbps
 from portable_kv.bench.sections import ceiling
 from portable_kv.bench.staged import StagedWorkload
 from portable_kv.bench.workload import Geometry
-from portable_kv.plan import CopyBatch
+from portable_kv.io import staged_plan
+from portable_kv.io.engine import CopyBatch
 
 OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
@@ -74,8 +75,8 @@ def main() -> None:
                         help="ascending: the device side of each load in address order (the kernel's writes walk memory in order)")
     parser.add_argument("--timeline-only", action="store_true")
     parser.add_argument("--batched-only", action="store_true", help="only the staged copies as 2-D loops against cudaMemcpy3DBatchAsync")
-    parser.add_argument("--tail", help="comma-separated runs.TAIL_BYTES values: only staged loads and backups of a layer_first host at each, alternating")
-    parser.add_argument("--taper", help="comma-separated runs.TAPER values, as --tail")
+    parser.add_argument("--tail", help="comma-separated staged_plan.TAIL_BYTES values: only staged loads and backups of a layer_first host at each, alternating")
+    parser.add_argument("--taper", help="comma-separated staged_plan.TAPER values, as --tail")
     parser.add_argument("--blocks", help="comma-separated block quotas of the kernel between staging and the KV buffers, as --tail")
     parser.add_argument("--descriptors-only", action="store_true",
                         help="only the staged copies as 2-D loops against 1-D descriptors in cudaMemcpyBatchAsync, page_first_direct and layer_first hosts")
@@ -122,9 +123,10 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
         mover = host._mover("staged")  # noqa: SLF001 -- a probe takes the path apart
         transfer = layer_transfer(host, w)
         for chunks in map(int, args.chunks.split(",")):
-            runs.PIPELINE_CHUNKS = chunks
-            mover._plans.clear()  # noqa: SLF001
-            prepared = mover.plan(transfer)
+            staged_plan.PIPELINE_CHUNKS = chunks
+            host._validator.clear()  # noqa: SLF001 -- plans are kept with the validated indices
+            transfer = layer_transfer(host, w)
+            prepared = mover.prepared(transfer)
             staging = torch.empty(prepared.plan.slot_bytes * len(prepared.plan.chunks), dtype=torch.uint8, device=backend.device)
             ops = []  # every copy of the load, each chunk in its own part of `staging`
             for pair, offset, (hosts, stagings, widths, heights, hps, sps), ends in zip(
@@ -178,23 +180,22 @@ def probe_page(clock: Clock, backend, page_size: int, args, ceil: dict) -> list[
 
 
 def setting_ab(clock: Clock, w, host, page_size: int, setting: str, values: list[float], reps: int, ceil: dict) -> list[dict]:
-    """One staging setting at each value (`tail`: runs.TAIL_BYTES; `taper`: runs.TAPER;
+    """One staging setting at each value (`tail`: staged_plan.TAIL_BYTES; `taper`: staged_plan.TAPER;
     `blocks`: the block quota of the kernel between staging and the KV buffers): staged
     loads one call and back to back, and all-layer backups, every value twice,
     alternating, so that a drift of the machine shows between rounds."""
     mover = host._mover("staged")  # noqa: SLF001
-    transfer = layer_transfer(host, w)
     rows: list[dict] = []
     for _ in range(2):
         for value in values:
             if setting == "tail":
-                runs.TAIL_BYTES = int(value)
+                staged_plan.TAIL_BYTES = int(value)
             elif setting == "taper":
-                runs.TAPER = value
+                staged_plan.TAPER = value
             else:
-                mover.gather.block_quota = int(value)
-            mover._plans.clear()  # noqa: SLF001
-            prepared = mover.plan(transfer)
+                mover.kernel.block_quota = int(value)
+            host._validator.clear()  # noqa: SLF001 -- plans are kept with the validated indices
+            prepared = mover.prepared(layer_transfer(host, w))
             print(f"  {setting} {value}: {len(prepared.plan.chunks)} chunks, {prepared.plan.copy_count} copies", flush=True)
             before = len(rows)
             back_to_back(clock, w, host, "staged", page_size, len(prepared.plan.chunks), reps, ceil, rows)
@@ -211,9 +212,9 @@ def descriptors(clock: Clock, backend, w, host, layout: str, page_size: int, rep
     stream, spread over 4 streams as the direct path does, and one call per chunk."""
     runtime = backend.runtime
     mover = host._mover("staged")  # noqa: SLF001
+    host._validator.clear()  # noqa: SLF001 -- plans are kept with the validated indices
     transfer = layer_transfer(host, w)
-    mover._plans.clear()  # noqa: SLF001
-    prepared = mover.plan(transfer)
+    prepared = mover.prepared(transfer)
     chunks = len(prepared.plan.chunks)
     staging = torch.empty(prepared.plan.slot_bytes * chunks, dtype=torch.uint8, device=backend.device)
     ops, chunk_of_op = [], []
@@ -386,7 +387,7 @@ def timeline(w, host, page_size: int, chunks: int) -> None:
     cached device-side writes, and replaced by a device-to-device copy of its bytes, by a
     sleep of about its length, and by nothing: what beside the copies slows them."""
     mover = host._mover("staged")  # noqa: SLF001
-    copy, gather = mover._copy, mover._gather  # noqa: SLF001
+    copy, kernel = mover._copy, mover._kernel  # noqa: SLF001
     marks: list[tuple[str, int, object, object]] = []
 
     def timed(name: str, fn, stream_of):
@@ -401,9 +402,9 @@ def timeline(w, host, page_size: int, chunks: int) -> None:
 
     cycles = int(1.9e9 * w.layer_bytes / chunks / 70e9)  # the kernel's time at ~70 GB/s
     def wide(*a) -> None:
-        mover.gather.block_quota = 32
-        gather(*a)
-        mover.gather.block_quota = 8
+        mover.kernel.block_quota = 32
+        kernel(*a)
+        mover.kernel.block_quota = 8
 
     chunk_bytes = int(w.layer_bytes / chunks)
     scratch = torch.empty(2 * chunk_bytes, dtype=torch.uint8, device=w.dev.device)
@@ -412,15 +413,15 @@ def timeline(w, host, page_size: int, chunks: int) -> None:
         scratch[:chunk_bytes].copy_(scratch[chunk_bytes:])
 
     def cached_stores(*a) -> None:  # the kernel path's device-side writes, which stay in L2
-        mover.gather.stream_device = False
-        gather(*a)
-        mover.gather.stream_device = True
+        mover.kernel.stream_device = False
+        kernel(*a)
+        mover.kernel.stream_device = True
 
-    kernels = {"kernel": gather, "kernel at 32 blocks": wide, "kernel, cached device stores": cached_stores,
+    kernels = {"kernel": kernel, "kernel at 32 blocks": wide, "kernel, cached device stores": cached_stores,
                "device-to-device copy (torch)": churn, "sleep": lambda *a: torch.cuda._sleep(cycles), "none": lambda *a: None}
     mover._copy = timed("copy", copy, lambda handle: torch.cuda.ExternalStream(handle))  # noqa: SLF001
     for variant, fn in kernels.items():
-        mover._gather = timed(variant, fn, lambda: torch.cuda.current_stream())  # noqa: SLF001
+        mover._kernel = timed(variant, fn, lambda: torch.cuda.current_stream())  # noqa: SLF001
         for _ in range(2):
             marks.clear()
             torch.cuda.synchronize()
@@ -439,7 +440,7 @@ def timeline(w, host, page_size: int, chunks: int) -> None:
         if variant == "kernel":
             for name, chunk, begin, end in marks:
                 print(f"    {name:6s} chunk {chunk:2d}  {origin.elapsed_time(begin) * 1e3:8.1f} .. {origin.elapsed_time(end) * 1e3:8.1f} us", flush=True)
-    mover._copy, mover._gather = copy, gather  # noqa: SLF001
+    mover._copy, mover._kernel = copy, kernel  # noqa: SLF001
 
 
 def back_to_back(clock: Clock, w, host, io: str, page_size: int, chunks: int, reps: int, ceil: dict, rows: list[dict]) -> None:

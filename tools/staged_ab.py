@@ -6,7 +6,7 @@ beside their copies alone, the kernels left out), for each variant of
 
 - whether a load's copies wait for the current stream on every call (as before) or only
   after a backup of the pool (StagedMover.wait_each_load),
-- the taper of the last chunks (runs.TAPER: each chunk this fraction of the one before),
+- the taper of the last chunks (staged_plan.TAPER: each chunk this fraction of the one before),
 - the kernel's block quota (PORTABLE_KV_STAGING_BLOCKS).
 
 Allocator-placed pages after churn (the bench's staged workload), layer_first (batched
@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from portable_kv import backends, runs
+from portable_kv import backends
 from portable_kv.bench.measure import Clock, gbps
 from portable_kv.bench.run import CEILING_BYTES
 from portable_kv.bench.sections import ceiling
 from portable_kv.bench.staged import StagedWorkload, interference
 from portable_kv.bench.workload import Geometry
+from portable_kv.io import staged_plan
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,11 @@ VARIANTS = {
 
 
 def measure(clock: Clock, w: StagedWorkload, layout: str, name: str, variant: Variant, reps: int, ceil: dict) -> dict:
-    runs.TAPER = variant.taper
+    staged_plan.TAPER = variant.taper
     host = w.host_pool(layout, "staged")
     mover = host._mover("staged")  # noqa: SLF001 -- a probe sets the mover's switches
     mover.wait_each_load = variant.wait_each_load
-    mover.gather.block_quota = variant.blocks
+    mover.kernel.block_quota = variant.blocks
     layer = [0]
 
     def one() -> None:
@@ -70,7 +71,7 @@ def measure(clock: Clock, w: StagedWorkload, layout: str, name: str, variant: Va
     seconds, host_s = clock.time(every_layer, max(3, reps // 2), warmup=1)
     row["load_back_to_back"], row["host_us"] = gbps(w.layer_bytes * w.layers, seconds), host_s * 1e6 / w.layers
     row["backup"] = gbps(w.layer_bytes * w.layers, clock.time(lambda: host.backup_from_device_all_layer(w.dev, w.host_idx, w.dev_idx), reps)[0])
-    row["chunks"] = len(mover.plan(_layer_transfer(host, w)).plan.chunks)
+    row["chunks"] = len(mover.prepared(_layer_transfer(host, w)).plan.chunks)
     row["took"] = mover.last_path
     copy = mover._copy  # noqa: SLF001
     mover._copy = lambda *args: None  # the kernel alone, between staging and the KV buffers
@@ -81,11 +82,11 @@ def measure(clock: Clock, w: StagedWorkload, layout: str, name: str, variant: Va
         matmul = [r for r in interference(clock, w, host, "cuda", layout) if " staged " in r.name][0]
         row["during_matmul"], row["matmul_slowdown_pct"] = matmul.gbps, matmul.extra["matmul_slowdown_pct"]
         # The same with the kernels left out: what the copies alone cost the matmul.
-        gather = mover._gather  # noqa: SLF001
-        mover._gather = lambda *args: None
+        kernel = mover._kernel  # noqa: SLF001
+        mover._kernel = lambda *args: None
         matmul = [r for r in interference(clock, w, host, "cuda", layout) if " staged " in r.name][0]
         row["matmul_slowdown_copies_alone_pct"] = matmul.extra["matmul_slowdown_pct"]
-        mover._gather = gather
+        mover._kernel = kernel
     row["sm_mhz"] = clock.sm_mhz
     host.close()
     return row
@@ -103,7 +104,7 @@ def report(row: dict, ceil: dict) -> str:
 
 def _layer_transfer(host, w: StagedWorkload):
     """The Transfer of a per-layer load of the workload, as the pool builds it."""
-    from portable_kv.plan import Transfer
+    from portable_kv.transfer import Transfer
 
     binding = host._bind(w.dev, range(0, 1))  # noqa: SLF001
     indices = host._validator(w.host_idx, w.dev_idx, binding.geometry.tokens, True)  # noqa: SLF001
@@ -125,13 +126,13 @@ def main() -> None:
     for key in ("h2d", "d2h", "both"):
         ceil.setdefault(key, ceil.get("memcpy", 1.0))
     print(f"ceiling at the start: h2d {ceil['h2d']:.1f} d2h {ceil['d2h']:.1f} both {ceil['both']:.1f} GB/s", flush=True)
-    rows, taper = [], runs.TAPER
+    rows, taper = [], staged_plan.TAPER
     for page_size in map(int, args.page_sizes.split(",")):
         w = StagedWorkload(Geometry(4, 192, 128, "bf16", 0), page_size, 8, backend.device, "allocator")
         for layout in args.layouts.split(","):
             for name in args.variants.split(","):
                 row = measure(clock, w, layout, name, VARIANTS[name], args.reps, ceil)
-                runs.TAPER = taper
+                staged_plan.TAPER = taper
                 rows.append(row)
                 print(report(row, ceil), flush=True)
         del w

@@ -14,11 +14,12 @@ import json
 
 import torch
 
-from portable_kv import backends, runs
+from portable_kv import backends
 from portable_kv.bench.measure import Clock, gbps
 from portable_kv.bench.sections import ceiling
 from portable_kv.bench.staged import StagedWorkload
 from portable_kv.bench.workload import Geometry
+from portable_kv.io import staged_plan
 
 
 def main() -> None:
@@ -50,7 +51,7 @@ def probe_page(clock: Clock, backend, geometry: Geometry, page_size: int, args: 
     w = StagedWorkload(geometry, page_size, 8, backend.device, "allocator")
     host = w.host_pool("page_first_direct", "staged")
     mover = host._mover("staged")  # noqa: SLF001 -- a probe takes the path apart
-    gather_move, memcpy_2d = mover.gather.move, mover.memcpy_2d
+    kernel, copy = mover._kernel, mover._copy  # noqa: SLF001
     layer = [0]
 
     def load() -> None:
@@ -62,17 +63,17 @@ def probe_page(clock: Clock, backend, geometry: Geometry, page_size: int, args: 
 
     rows = []
     for chunks in map(int, args.chunks.split(",")):
-        runs.PIPELINE_CHUNKS = chunks
-        mover._plans.clear()  # noqa: SLF001 -- plans are kept per indices, not per chunk count
+        staged_plan.PIPELINE_CHUNKS = chunks
+        host._validator.clear()  # noqa: SLF001 -- plans are kept with the validated indices, not per chunk count
         for blocks in map(int, args.blocks.split(",")):
-            mover.gather.block_quota = blocks
+            mover.kernel.block_quota = blocks
             parts = ("whole", "copies only", "kernel only")
             for part in parts:
-                mover.gather.move = (lambda t: None) if part == "copies only" else gather_move
-                mover.memcpy_2d = (lambda *a: None) if part == "kernel only" else memcpy_2d
+                mover._kernel = (lambda *a: None) if part == "copies only" else kernel  # noqa: SLF001
+                mover._copy = (lambda *a: None) if part == "kernel only" else copy  # noqa: SLF001
                 load_s, load_host = clock.time(load, args.reps)
                 backup_s, backup_host = clock.time(backup, max(3, args.reps // 3), warmup=1)
-                prepared = mover.plan(layer_transfer(host, w))
+                prepared = mover.prepared(layer_transfer(host, w))
                 row = dict(page=page_size, chunks=chunks, blocks=blocks, part=part,
                            copies=prepared.plan.copy_count if prepared else 0, chunk_count=len(prepared.plan.chunks) if prepared else 0,
                            load_gbps=gbps(w.layer_bytes, load_s), load_host_us=load_host * 1e6,
@@ -82,14 +83,14 @@ def probe_page(clock: Clock, backend, geometry: Geometry, page_size: int, args: 
                       f"load {row['load_gbps']:5.1f} ({100 * row['load_gbps'] / ceil['h2d']:5.1f}%) host {row['load_host_us']:7.1f} us  "
                       f"backup {row['backup_gbps']:5.1f} ({100 * row['backup_gbps'] / ceil['d2h']:5.1f}%) host {row['backup_host_us']:7.1f} us  "
                       f"copies/layer-call {row['copies']}", flush=True)
-    mover.gather.move, mover.memcpy_2d = gather_move, memcpy_2d
+    mover._kernel, mover._copy = kernel, copy  # noqa: SLF001
     host.close()
     return rows
 
 
 def layer_transfer(host, w):
     """The Transfer of one per-layer load of the workload, as the pool builds it (copy_engine_probe.py uses it too)."""
-    from portable_kv.plan import Transfer
+    from portable_kv.transfer import Transfer
 
     binding = host._bind(w.dev, range(0, 1))  # noqa: SLF001
     indices = host._validator(w.host_idx, w.dev_idx, binding.geometry.tokens, True)  # noqa: SLF001

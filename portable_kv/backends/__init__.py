@@ -1,4 +1,4 @@
-"""Backend registry: detection once at import, then current() / available() / use().
+"""Backend registry: detection once, at first use, then current() / available() / use().
 
 The registry knows backends by name only; each backend module says itself
 whether it can run here (Backend.unavailable_reason) and holds every vendor
@@ -65,7 +65,7 @@ def get(name: str) -> Backend:
 
 
 def detect() -> str:
-    """The backend name that import-time detection picks on this machine."""
+    """The backend name that detection at first use picks on this machine."""
     forced = config.BACKEND.raw()
     if forced:
         return forced
@@ -85,13 +85,14 @@ def use(name: str) -> Backend:
 
 
 def current() -> Backend:
+    """The bound backend; the first call detects and binds it."""
     if _current is None:
-        _bind_at_import()
+        _bind_at_first_use()
     assert _current is not None
     return _current
 
 
-def _bind_at_import() -> None:
+def _bind_at_first_use() -> None:
     name = detect()
     try:
         use(name)

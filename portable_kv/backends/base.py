@@ -1,15 +1,17 @@
-"""The interfaces every backend implements (Backend, Mover), and what they share."""
+"""The interface every backend implements (Backend): a device, a copy kernel and a copy
+engine, from which it builds a mover per io path."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import torch
 
-from ..plan import Transfer
+from ..io.auto import AutoMover
+from ..io.engine import CopyEngine
+from ..io.mover import Mover, MoverFactory
+from ..io.staged import StagedMover
 
-IO_BACKENDS = ("kernel", "direct", "staged", "auto")
 ELEMENT_SIZES = (1, 2, 4, 8)  # what the copy kernels' integer words cover
 
 
@@ -17,62 +19,14 @@ class BackendUnavailable(RuntimeError):
     """A backend cannot run here; the message names the cause and the fix."""
 
 
-class BadIndexFlag:
-    """Set when a mover skips a token whose index is outside its pool.
-
-    It lives in page-locked, mapped host memory on a GPU, so a kernel sets it and
-    the host reads it without synchronising; the next call turns it into an error.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=device.type != "cpu")
-        self._view = self.tensor.numpy()
-
-    @property
-    def address(self) -> int:
-        return self.tensor.data_ptr()
-
-    def set(self) -> None:
-        self._view[0] = 1
-
-    def check(self) -> None:
-        if self._view[0]:
-            self._view[0] = 0
-            raise RuntimeError(
-                "portable_kv: an earlier transfer met token indices outside the pools and skipped them "
-                "(nothing outside the pools was written); validate indices, or keep validate=True"
-            )
-
-
-class Mover(ABC):
-    """One io path of one host pool: enqueues validated transfers on the current stream.
-
-    A mover is owned by one host pool; everything it keeps for that pool (prepared
-    launches, job templates, index copies) goes with it, or with close()."""
-
-    io: str  # one of IO_BACKENDS
-
-    def __init__(self, device: torch.device) -> None:
-        self.bad_index = BadIndexFlag(device)
-
-    @abstractmethod
-    def move(self, transfer: Transfer) -> None:
-        """Enqueue one validated transfer; raises first if an earlier transfer skipped a bad index."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Drop every per-pool cache (idempotent); the mover may be used again after."""
-
-
-MoverFactory = Callable[[], Mover]
-
-
 class Backend(ABC):
     name: str
     vendor: str  # "nvidia" | "amd" | "cpu"
-    # Whether the `kernel` io backend can read host memory that was registered
+    # Whether the `kernel` io path can read host memory that was registered
     # (mmap + HostRegister) rather than allocated page-locked.
     kernel_reads_registered_memory: bool = True
+
+    engine: CopyEngine  # what copies bytes for the direct and staged paths, and orders their streams
 
     def __init__(self) -> None:
         self.device = self._device()
@@ -86,8 +40,24 @@ class Backend(ABC):
     def _device(self) -> torch.device: ...
 
     @abstractmethod
+    def kernel_mover(self) -> Mover:
+        """A new mover of the kernel io path: the backend's copy kernel at its block quota."""
+
+    @abstractmethod
+    def staging_mover(self) -> Mover:
+        """A new mover of the copy kernel between a staging slot and the KV buffers (staged io)."""
+
     def movers(self) -> dict[str, MoverFactory]:
         """io name -> a factory of new movers; a new io path is one more entry."""
+        engine, kernel = self.engine, self.kernel_mover
+
+        def staged() -> StagedMover:
+            return StagedMover(engine, self.staging_mover(), kernel)
+
+        def auto() -> AutoMover:
+            return AutoMover(kernel, engine.direct_mover, staged())
+
+        return {"kernel": kernel, "direct": engine.direct_mover, "staged": staged, "auto": auto}
 
     @property
     def io_backends(self) -> tuple[str, ...]:
@@ -118,12 +88,12 @@ class Backend(ABC):
         return torch.empty(shape, dtype=dtype, pin_memory=pin and self.pins_memory)
 
     def register_host(self, address: int, nbytes: int) -> int:
-        """Page-lock and map an existing host range; returns its device address (here: itself)."""
-        return address
+        """Page-lock and map an existing host range; returns its device address."""
+        return self.engine.register_host(address, nbytes)
 
     def unregister_host(self, address: int) -> None:
         """Undo register_host."""
-        return None
+        self.engine.unregister_host(address)
 
     def synchronize(self) -> None:
         if self.device.type != "cpu":

@@ -1,27 +1,29 @@
 """The reference backend: torch indexing on the canonical view; the oracle for every test.
 
-`kernel` io moves data with torch advanced indexing, independent of the planner;
-`direct` io executes the copy engines' plan with memmove, so the DMA planner runs
-in CI too.  Both keep the GPU kernels' guarantee for unvalidated indices: a token
-outside either pool is skipped and flagged, and the next call raises.
+`kernel` io moves data with torch advanced indexing, independent of the planners;
+`direct` and `staged` io execute their plans on the host's copy engine (memmove),
+so the planners run in CI too.  Every path keeps the GPU kernels' guarantee for
+unvalidated indices: a token outside either pool is skipped and flagged, and the
+next call raises.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..io.kernel_args import WORD_DTYPES
+from ..io.mover import Mover
 from ..layout import canonical_view
-from ..plan import Transfer
-from .base import Backend, Mover, MoverFactory
-from .dma import HostCopyMover
-from .kernel_args import WORD_DTYPES
-from .staged import host_memcpy_2d, host_memcpy_batch, staged_movers
+from ..transfer import Transfer
+from .base import Backend
+from .host import HostEngine
 
 
 class IndexingMover(Mover):
     """torch advanced indexing on the canonical view of the host buffers."""
 
     io = "kernel"
+    reads_strides = False
 
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
@@ -51,6 +53,10 @@ class CpuBackend(Backend):
     name = "cpu"
     vendor = "cpu"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = HostEngine()
+
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return None
@@ -58,10 +64,11 @@ class CpuBackend(Backend):
     def _device(self) -> torch.device:
         return torch.device("cpu")
 
-    def movers(self) -> dict[str, MoverFactory]:
-        return {"kernel": IndexingMover, "direct": HostCopyMover,
-                **staged_movers(self.device, IndexingMover, HostCopyMover, IndexingMover, host_memcpy_2d, host_memcpy_batch, lambda: 0,
-                                indexing_gather=True)}
+    def kernel_mover(self) -> Mover:
+        return IndexingMover()
+
+    def staging_mover(self) -> Mover:
+        return IndexingMover()
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from ..plan import CopyBatch
+from ..io.engine import CopyBatch
+from ..io.kernel_args import KERNEL_WIDTHS
 from .base import BackendUnavailable
 from .gpu import GpuBackend
 from .jit import COMMON_KERNEL_DIR, PACKAGE_DIR, KernelSpec
-from .kernel_args import KERNEL_WIDTHS
 from .runtime import DeviceRuntime, as_pointer_array, check, find_loaded_library
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_cuda" / "kv_copy.cu"
@@ -103,7 +103,7 @@ class CudaRuntime(DeviceRuntime):
 
     def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
         if self._launch_kernel is None:
-            # ctypes: ~6 us a launch from Python where cuda-python's wrapper takes ~9 (docs/PERFORMANCE.md).
+            # ctypes: a launch from Python costs less so than through cuda-python's wrapper (docs/DESIGN.md).
             call = ctypes.CDLL(find_loaded_library("libcuda") or "libcuda.so.1").cuLaunchKernel
             u = ctypes.c_uint
             call.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]

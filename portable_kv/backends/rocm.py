@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from .. import config
-from ..plan import CopyBatch
+from ..io.engine import CopyBatch
+from ..io.kernel_args import KERNEL_WIDTHS
 from .base import BackendUnavailable
 from .gpu import GpuBackend
 from .jit import COMMON_HEADER, COMMON_KERNEL_DIR, PACKAGE_DIR, KernelSpec
-from .kernel_args import KERNEL_WIDTHS
 from .runtime import DeviceRuntime, as_pointer_array, check, find_loaded_library
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_hip" / "kv_copy.hip"

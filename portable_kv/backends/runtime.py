@@ -1,29 +1,33 @@
 """A vendor's device runtime, the part CUDA and ROCm share: the one error type, the
 one error helper, and the ctypes calls whose only difference is a name prefix.
 
-cuda.py and rocm.py each subclass DeviceRuntime with the same methods in the
-same order (compile and load through the vendor's binding, launch, the batched
-memcpy's signature, bind_thread).  The two per-call hot paths stay ctypes: a
-launch costs ~6 us that way against ~9 through cuda-python's wrapper, and the
-batched memcpy takes numpy's pointer arrays, which the Python bindings convert
-element by element (hip-python cannot take a sizes array at all).
+A DeviceRuntime is the GPU's copy engine (io/engine.py) and more: it compiles,
+loads and launches the copy kernel and binds threads to the device.  cuda.py and
+rocm.py each subclass it with the same methods in the same order (compile and
+load through the vendor's binding, launch, the batched memcpy's signature,
+bind_thread).  The per-call hot paths stay ctypes: a launch from Python costs
+less that way than through the vendors' wrappers, and the batched memcpy takes
+numpy's pointer arrays, which the Python bindings convert element by element
+(hip-python cannot take a sizes array at all); docs/DESIGN.md has the numbers.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from .. import config
-from ..plan import CopyBatch, raw_stream
-from .base import Mover
-from .dma import DmaMover, split_batch
+from ..io.direct import DirectMover
+from ..io.engine import CopyBatch, CopyEngine
+from ..io.mover import Mover
+from ..io.streams import DeviceStreams, Streams
 from .jit import KernelSpec
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault = hipMemcpyDefault: direction from the addresses
@@ -56,8 +60,8 @@ def check(result: Any, call: str, error_name: Callable[[int], str] | None = None
     return values[0] if len(values) == 1 else values
 
 
-class DeviceRuntime(ABC):
-    """One GPU's runtime: code objects, launches, batched copies, host registration."""
+class DeviceRuntime(CopyEngine):
+    """One GPU's runtime: code objects, launches, copies, events, host registration."""
 
     prefix: str  # "cuda" | "hip": the runtime library's symbol prefix
     code_suffix: str  # "cubin" | "hsaco"
@@ -68,13 +72,13 @@ class DeviceRuntime(ABC):
     def __init__(self, lib: Any, device_index: int) -> None:
         self.lib = lib
         self.device_index = device_index
+        self.device = torch.device("cuda", device_index)  # torch.cuda serves ROCm too
         version = ctypes.c_int()
         self._fn("RuntimeGetVersion")(ctypes.byref(version))
         self.version: int = version.value
         self.has_batch: bool = self.version >= self.batch_min_version and hasattr(lib, f"{self.prefix}MemcpyBatchAsync")
         self.fail_index = ctypes.c_size_t(0)
-        # Streams one batched DMA transfer is spread over: each can drive its own copy
-        # engine. H200, page 64: 41.5 GB/s on 1 stream, 45.4 on 2, 55.5 on 4 (docs/PERFORMANCE.md).
+        # Each stream can drive a copy engine of its own (docs/PERFORMANCE.md: direct io over streams).
         self.dma_streams: int = config.DMA_STREAMS.integer(minimum=1) or 1
         self._bound = threading.local()
         self._bindings: tuple[Any, Any] | None = None  # the vendor's (runtime, compiler) modules, imported at first use
@@ -133,23 +137,37 @@ class DeviceRuntime(ABC):
     def batch_call(self, batch: CopyBatch, stream: int) -> int:
         """One batched memcpy call; returns the runtime's error code."""
 
+    # -- the copy engine (io/engine.py) ---------------------------------------------------
+
     def current_stream(self) -> int:
         """The handle of the device's current torch stream: transfers are ordered on it."""
         return raw_stream(self.device_index)
 
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        code = self._fn("MemcpyAsync")(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), MEMCPY_DEFAULT, ctypes.c_void_p(stream))
+        check(code, f"{self.prefix}MemcpyAsync", self.error_name)
+
     def memcpy_batch(self, batch: CopyBatch, stream: int) -> None:
-        """Enqueue every chunk of `batch` on `stream` (never the legacy default stream)."""
+        """Every copy of `batch` on `stream` (never the legacy default stream): one batched
+        call per `max_batch` copies where the runtime has it, else copy by copy."""
         for piece in split_batch(batch, self.max_batch):
             if self.has_batch:
                 check(self.batch_call(piece, stream), f"{self.prefix}MemcpyBatchAsync", self.error_name)
-                continue
-            copy = self._fn("MemcpyAsync")
-            for dst, src, size in zip(piece.dst.tolist(), piece.src.tolist(), piece.sizes.tolist()):
-                code = copy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(size), MEMCPY_DEFAULT, ctypes.c_void_p(stream))
-                check(code, f"{self.prefix}MemcpyAsync", self.error_name)
+            else:
+                super().memcpy_batch(piece, stream)
 
-    # -- events (the staged path orders its streams with four a chunk: a ctypes call takes
-    # ~1 us where torch's Event costs 4-9 us from Python) ----------------------------------
+    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
+        code = self._fn("Memcpy2DAsync")(ctypes.c_void_p(dst), ctypes.c_size_t(dst_pitch), ctypes.c_void_p(src), ctypes.c_size_t(src_pitch),
+                                         ctypes.c_size_t(width), ctypes.c_size_t(height), MEMCPY_DEFAULT, ctypes.c_void_p(stream))
+        check(code, f"{self.prefix}Memcpy2DAsync", self.error_name)
+
+    def streams(self) -> Streams:
+        return DeviceStreams(self)
+
+    def direct_mover(self) -> Mover:
+        return DirectMover(self)
+
+    # -- events, which DeviceStreams orders streams with ----------------------------------
 
     def event_create(self) -> int:
         event = ctypes.c_void_p()
@@ -179,17 +197,6 @@ class DeviceRuntime(ABC):
         # Unchecked: it also runs from finalizers, after the runtime may have shut down; an
         # event destroyed with work pending is released once that work completes.
         self._fn("EventDestroy")(ctypes.c_void_p(event))
-
-    def memcpy_2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int) -> None:
-        """Enqueue `height` rows of `width` bytes, each side at its own pitch, on `stream`
-        (the staged io path's host-side copies: one per run of consecutive host pages)."""
-        code = self._fn("Memcpy2DAsync")(ctypes.c_void_p(dst), ctypes.c_size_t(dst_pitch), ctypes.c_void_p(src), ctypes.c_size_t(src_pitch),
-                                         ctypes.c_size_t(width), ctypes.c_size_t(height), MEMCPY_DEFAULT, ctypes.c_void_p(stream))
-        check(code, f"{self.prefix}Memcpy2DAsync", self.error_name)
-
-    def direct_mover(self) -> Mover:
-        """A new copy-engine mover over this runtime, for one host pool."""
-        return DmaMover(self)
 
     # -- host memory ---------------------------------------------------------------------
 
@@ -222,6 +229,22 @@ class DeviceRuntime(ABC):
 
     @abstractmethod
     def version_text(self) -> str: ...
+
+
+def raw_stream(index: int) -> int:
+    """The handle of GPU `index`'s current torch stream (torch.cuda serves ROCm too)."""
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a fraction of the public call's cost, per call
+    raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811
+
+
+def split_batch(batch: CopyBatch, limit: int | None) -> list[CopyBatch]:
+    """Pieces of at most `limit` copies (ROCm faults above 8192 descriptors on some parts)."""
+    if limit is None or len(batch) <= limit:
+        return [batch]
+    return [batch.slice(i, i + limit) for i in range(0, len(batch), limit)]
 
 
 def find_loaded_library(stem: str) -> str | None:

@@ -4,8 +4,8 @@ under Triton's interpreter (TRITON_INTERPRET=1), so CI executes the kernel logic
 The kernel is the algorithm of kernels_common/kv_copy.h in Triton's terms:
 a program takes ITEMS chunks (token, layer, head group) at a time, computes
 both addresses from the indices and the layout strides, and copies the chunk's
-words.  On a GPU, `direct` io and host registration are the vendor runtime's
-(cuda.py | rocm.py); under the interpreter, the CPU's (memmove, nothing to lock).
+words.  Its copy engine (direct and staged io, host registration) is the vendor
+runtime's on a GPU (cuda.py | rocm.py), the host's under the interpreter (host.py).
 """
 
 from __future__ import annotations
@@ -16,18 +16,17 @@ from typing import Any
 import torch
 
 from .. import config
-from ..cache import IdentityCache
-from ..plan import TensorPair, Transfer
-from .base import Backend, Mover, MoverFactory
+from ..io.engine import CopyEngine
+from ..io.kernel_args import WORD_DTYPES, LayerTables, pair_width
+from ..io.mover import Mover
+from ..transfer import TensorPair, Transfer
+from .base import Backend
 from .cuda import CudaRuntime
-from .dma import HostCopyMover
-from .kernel_args import WORD_DTYPES, LayerTable, pair_width
+from .host import HostEngine
 from .rocm import HipRuntime
 from .runtime import DeviceRuntime
-from .staged import host_memcpy_2d, host_memcpy_batch, staged_movers
 
 TILE_WORDS = 4096  # words a program moves per step: enough in flight to cover PCIe latency
-LAYER_TABLES_KEPT = 64  # device address tables kept per backend: a few device pools, each pair of K/V
 
 
 def interpreted() -> bool:
@@ -99,13 +98,13 @@ class TritonMover(Mover):
 
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
-        host_indices, device_indices = transfer.indices.on(self.backend.device)
+        host_indices, device_indices = transfer.indices.on(self.backend.device, self.backend.engine.current_stream())
         for pair in transfer.pairs:
             self._launch(transfer, pair, host_indices, device_indices)
 
     def _launch(self, transfer: Transfer, pair: TensorPair, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         s, c = pair.strides, pair.chunks
-        table = self.backend.layer_table(pair.device)
+        table = self.backend.layer_tables.of(pair.device)
         word = min(8, pair_width(pair, table))  # Triton's widest integer is 8 bytes
         items = transfer.tokens * len(transfer.layers) * c.groups
         ITEMS, WORDS = tile(c.chunk_bytes // word)
@@ -139,38 +138,22 @@ class TritonBackend(Backend):
         super().__init__()
         self.vendor = "cpu" if self.device.type == "cpu" else ("amd" if getattr(torch.version, "hip", None) else "nvidia")
         self.block_quota: int = config.block_quota(self.vendor)
-        # The GPU's own runtime, for what Triton does not do: copy engines, page-locking.
+        # What Triton does not do, copies by the copy engines and page-locking: the GPU's
+        # own runtime's, or under the interpreter the host's.
         self.runtime: DeviceRuntime | None = vendor_runtime(self.vendor, self.device)
-        self._tables: IdentityCache[LayerTable] = IdentityCache(LAYER_TABLES_KEPT)
+        self.engine: CopyEngine = self.runtime or HostEngine()
+        self.layer_tables = LayerTables(self.device)
 
     def _device(self) -> torch.device:
         if torch.cuda.is_available() and not interpreted():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def movers(self) -> dict[str, MoverFactory]:
-        direct = self.runtime.direct_mover if self.runtime is not None else HostCopyMover
-        runtime = self.runtime
-        memcpy_2d, memcpy_batch, stream = ((runtime.memcpy_2d, runtime.memcpy_batch, runtime.current_stream) if runtime is not None
-                                           else (host_memcpy_2d, host_memcpy_batch, lambda: 0))
+    def kernel_mover(self) -> Mover:
+        return TritonMover(self)
 
-        def kernel() -> TritonMover:
-            return TritonMover(self)
-
-        staged = staged_movers(self.device, kernel, direct, kernel, memcpy_2d, memcpy_batch, stream, runtime=runtime)
-        return {"kernel": kernel, "direct": direct, **staged}
-
-    def layer_table(self, pair_device: Any) -> LayerTable:
-        return self._tables.get(pair_device, lambda: LayerTable(pair_device, self.device))
-
-    def register_host(self, address: int, nbytes: int) -> int:
-        if self.runtime is None:
-            return address  # the interpreter reads host memory as it is
-        return self.runtime.register_host(address, nbytes)
-
-    def unregister_host(self, address: int) -> None:
-        if self.runtime is not None:
-            self.runtime.unregister_host(address)
+    def staging_mover(self) -> Mover:
+        return TritonMover(self)
 
     def describe(self) -> dict[str, str]:
         import triton

@@ -7,7 +7,8 @@ for a per-layer load and an all-layer backup of the same random pages.
 This module holds the flags and the dispatch only, and imports no torch, so
 `portable-kv --help` stays fast: workload.py (what moves), measure.py (timing),
 peers.py (the engines' paths), sections.py (the measurements), run.py (which of
-them a run makes), report.py (table, markdown, plot, JSON).
+them a run makes), rows.py and report.py (table, markdown, plot, JSON); store.py
+measures an L3 store instead of the link.
 """
 
 from __future__ import annotations
@@ -74,15 +75,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def store_bench(args: argparse.Namespace) -> int:
-    """The L3 stores are benchmarked by the storage package itself (it knows their servers and keys)."""
-    if importlib.util.find_spec("portable_kv.storage") is None or importlib.util.find_spec("portable_kv.storage.bench") is None:
-        raise ImportError(f"--store {args.store}: this install has no storage benchmark (portable_kv.storage.bench); "
+    """An L3 store's put and get against its own bulk transfer (store.py)."""
+    if importlib.util.find_spec("portable_kv.storage") is None:
+        raise ImportError(f"--store {args.store}: this install has no storage tier (portable_kv.storage); "
                           "update portable-kv, or leave --store out to measure the GPU link")
     written = [flag for flag, value in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)) if value]
     if written:
         raise ValueError(f"--store prints its own table; {', '.join(written)} belong to the GPU-link benchmark (leave them out)")
-    from ..storage import bench as storage_bench
     from .run import page_sizes
+    from .store import run
 
-    storage_bench.run(args.store, page_sizes=tuple(page_sizes(args.page_size)), repeats=args.reps or 3)
+    run(args.store, page_sizes=tuple(page_sizes(args.page_size)), repeats=args.reps or 3)
     return 0

@@ -53,7 +53,7 @@ import portable_kv as pk
 
 from .. import backends
 from .measure import Clock, gbps
-from .report import Row, ceiling_text, on_gpu
+from .rows import Row, ceiling_text, on_gpu
 from .sections import percent
 from .staged import REQUEST_TOKENS, churned_slots
 

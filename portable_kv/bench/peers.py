@@ -10,8 +10,10 @@ import numpy as np
 import torch
 
 from .. import backends
+from ..backends.base import Backend
+from ..io.engine import CopyBatch
 from .measure import Clock, gbps
-from .report import Row
+from .rows import Row
 from .workload import Workload
 
 
@@ -45,8 +47,6 @@ def peers(clock: Clock, w: Workload, reps: int, ceil: dict) -> list[Row]:
 
     memcpy_batch = batched_memcpy(backends.current())
     if memcpy_batch is not None:
-        from ..plan import CopyBatch
-
         for direction in ("h2d", "d2h"):
             dst, src, sizes = [], [], []
             for host_t, dev_t in ((host_k, w.dev.k_buffer[0]), (host_v, w.dev.v_buffer[0])):
@@ -63,8 +63,9 @@ def peers(clock: Clock, w: Workload, reps: int, ceil: dict) -> list[Row]:
     return rows
 
 
-def batched_memcpy(backend: object) -> Callable[[object, int], None] | None:
+def batched_memcpy(backend: Backend) -> Callable[[CopyBatch, int], None] | None:
     """The vendor's batched memcpy (cudaMemcpyBatchAsync / hipMemcpyBatchAsync) as the backend
-    calls it, or None on a backend without one.  Backends expose no public handle to it:
-    this is the one place the benchmark reaches into a backend's runtime."""
-    return getattr(getattr(backend, "runtime", None), "memcpy_batch", None)
+    calls it, or None where its copy engine is the host's.  Backends expose no public handle
+    to it: this is the one place the benchmark reaches into a backend's copy engine."""
+    engine = backend.engine
+    return engine.memcpy_batch if engine.device.type != "cpu" else None

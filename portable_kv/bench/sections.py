@@ -16,7 +16,7 @@ import portable_kv as pk
 
 from .. import backends
 from .measure import Clock, gbps
-from .report import Row
+from .rows import Row
 from .workload import Workload
 
 QUOTAS = (2, 4, 8, 16, 24, 32, 64, 132)

@@ -24,10 +24,10 @@ import portable_kv as pk
 
 from .. import backends
 from ..allocator import PageRunAllocator, churn_run_lengths, page_runs
-from ..backends.staged import staging_blocks
+from ..io.staged import staging_blocks
 from .measure import Clock, gbps
 from .peers import peers
-from .report import Row
+from .rows import Row
 from .sections import bench_pool, percent, with_clock
 from .workload import Geometry, Workload
 

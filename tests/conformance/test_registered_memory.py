@@ -12,8 +12,9 @@ from kvspec import bits, page_tokens, randomize
 
 import portable_kv as pk
 from portable_kv import host_memory
-from portable_kv.backends.staged import EVERY_PLAN
-from portable_kv.plan import Transfer, copy_batch
+from portable_kv.io.direct import copy_batch
+from portable_kv.io.staged import EVERY_PLAN
+from portable_kv.transfer import Transfer
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from test_oracle import run
 
 import portable_kv as pk
 from portable_kv.allocator import PageRunAllocator
-from portable_kv.backends import staged
+from portable_kv.io import staged
 from portable_kv.layout import LAYOUTS
 
 STAGED_IOS = ("staged", "auto")

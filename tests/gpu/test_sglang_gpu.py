@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from portable_kv import backends
-from portable_kv.backends import staged
+from portable_kv.io import staged
 
 HERE = Path(__file__).resolve().parent
 STANDINS = HERE / "standins"

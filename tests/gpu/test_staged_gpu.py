@@ -16,7 +16,7 @@ from kvspec import bits, page_tokens, randomize
 
 import portable_kv as pk
 from portable_kv import backends
-from portable_kv.backends import staged
+from portable_kv.io import auto, staged
 from portable_kv.layout import LAYOUTS
 
 GPU = [n for n in ("cuda", "rocm", "triton") if backends.unavailable_reason(n) is None and backends.get(n).device.type == "cuda"]
@@ -211,7 +211,7 @@ def test_close_releases_staging_memory(gpu):
 
 
 def test_auto_moves_the_same_bytes_whichever_path_it_takes(gpu, monkeypatch):
-    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
     for host_pages in (torch.arange(0, 40), torch.arange(0, 80, 2)):
         dev, host = pools("page_first_direct", 64, io="auto")
         host_idx = page_tokens(host_pages, 64)

@@ -251,7 +251,7 @@ def test_bench_store_without_a_storage_benchmark(monkeypatch, capsys):
 def test_bench_store_runs_the_storage_benchmark(capsys):
     import importlib.util
 
-    if importlib.util.find_spec("portable_kv.storage.bench") is None:
+    if importlib.util.find_spec("portable_kv.bench.store") is None:
         pytest.skip("this checkout has no storage benchmark")
     assert main(["bench", "--store", "local", "--page-size", "64", "--reps", "1"]) == 0
     assert "| local | page_first_direct | 64 |" in capsys.readouterr().out

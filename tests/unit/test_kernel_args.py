@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvspec import bits
 
-from portable_kv.backends import gpu
-from portable_kv.backends import kernel_args as ka
+from portable_kv.io import kernel as gpu
+from portable_kv.io import kernel_args as ka
 
 HEADER = Path(ka.__file__).resolve().parents[1] / "kernels_common" / "kv_copy.h"
 
@@ -125,12 +125,12 @@ def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated):
     assert simulated.runtime.launches[-1][1] == 2, "a new block quota must reach the next launch"
     # A backup of other pages interleaved with the loads keeps a prepared launch of its own.
     mover = simulated.created[-1]()
-    before = list(mover._local.prepared)
+    before = list(mover._local.prepared.values())[::-1]
     host.backup_from_device_per_layer(dev, torch.arange(0, 4), torch.arange(60, 64), 2)
     assert torch.equal(bits(host.k_buffer[0, 2]), bits(dev.k_buffer[2][60:64]))
     dev.k_buffer[1].zero_()
     host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)
     assert torch.equal(bits(dev.k_buffer[1][dev_idx]), bits(host.k_buffer[4:16, 1].reshape(48, *host.k_buffer.shape[-2:])))
-    prepared = mover._local.prepared
+    prepared = list(mover._local.prepared.values())
     assert any(launch is before[0] for launch in prepared), "the load's prepared launch was rebuilt after an interleaved backup"
     assert len(prepared) == min(len(before) + 1, gpu.PREPARED_KEPT)

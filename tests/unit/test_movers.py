@@ -18,8 +18,10 @@ import portable_kv as pk
 from portable_kv import backends
 from portable_kv.backends import base, cpu
 from portable_kv.backends import triton as triton_backend
+from portable_kv.indices import IndexPair
+from portable_kv.io.direct import copy_batch
 from portable_kv.layout import LAYOUTS
-from portable_kv.plan import IndexPair, Transfer, copy_batch, tensor_pair
+from portable_kv.transfer import Transfer, tensor_pair
 
 P, LAYERS, TOKENS, HOST_TOKENS = 4, 2, 32, 64
 OUTSIDE = "outside the pools"

@@ -16,12 +16,15 @@ from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, FakeLib, fak
 from kvspec import bits, host_row, page_tokens, randomize
 
 import portable_kv as pk
-from portable_kv import backends, runs
-from portable_kv.backends import cuda, rocm, staged
-from portable_kv.backends import kernel_args as ka
+from portable_kv import backends
+from portable_kv.backends import cuda, rocm
 from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError
+from portable_kv.io import auto, staged
+from portable_kv.io import kernel_args as ka
+from portable_kv.io import staged_plan as runs
+from portable_kv.io.streams import InlineStreams
 from portable_kv.layout import host_shape
-from portable_kv.plan import tensor_pair
+from portable_kv.transfer import tensor_pair
 
 STREAM = FAKE_STREAM
 L, H, KD, VD, ITEM = 8, 4, 192, 128, 2  # MiMo-V2's K 192 / V 128, 4 heads, bf16
@@ -40,7 +43,7 @@ def page_slots(pages, page_size: int) -> np.ndarray:
 
 
 def plan(layout: str, page_size: int, host_idx: np.ndarray, layers: range, slot_bytes: int = 32 << 20):
-    return runs.plan(host_idx, pairs(layout, page_size), layout, page_size, layers, L, slot_bytes)
+    return runs.build(host_idx, pairs(layout, page_size), layout, page_size, layers, L, slot_bytes)
 
 
 # -- runs and copies -------------------------------------------------------------------------
@@ -115,7 +118,7 @@ def test_k_and_v_are_folded_each_by_its_own_strides():
     host = [torch.empty(host_shape("page_head", 1, 4, P, heads, 1), dtype=torch.float16) for heads in (1, 2)]
     device = [[torch.empty(8, heads, 1, dtype=torch.float16)] for heads in (1, 2)]
     both = tuple(tensor_pair(h, d, "page_head", P) for h, d in zip(host, device))
-    k, v = runs.plan(np.arange(4), both, "page_head", P, range(0, 1), 1, 1 << 20).copies
+    k, v = runs.build(np.arange(4), both, "page_head", P, range(0, 1), 1, 1 << 20).copies
     assert (k.width[0], k.height[0]) == (8, 1) and (v.width[0], v.height[0]) == (16, 1)
 
 
@@ -272,9 +275,9 @@ def test_rocm_staged_batches_the_copies_of_long_rows(fake_rocm):
 def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backend, monkeypatch):
     """A load that auto would stage takes the kernel path while the pool's latest staged
     backup has not completed (its event not done), and stages again once it has."""
-    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
 
-    class Streams(staged.InlineStreams):  # a GPU's events, whose completion the test decides
+    class Streams(InlineStreams):  # a GPU's events, whose completion the test decides
         running = False
 
         def event(self) -> object:
@@ -303,7 +306,7 @@ def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backe
     host.close()
 
 
-class LoggedStreams(staged.InlineStreams):
+class LoggedStreams(InlineStreams):
     """A GPU's streams as names and its events as objects: every record and wait logged."""
 
     def __init__(self) -> None:
@@ -379,10 +382,10 @@ def test_a_staged_load_waits_for_its_stream_where_a_backup_was_issued_since(cpu_
 def test_loads_and_backups_of_the_same_indices_keep_their_plans_side_by_side(cpu_backend, monkeypatch, io):
     """A load, a backup and a per-layer load of the same indices each plan once (a plan costs
     ~10 ms of host time on a 100 MB transfer), however they alternate."""
-    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
     made = []
-    real_plan = staged.plan
-    monkeypatch.setattr(staged, "plan", lambda *a, **k: made.append(a[-1]) or real_plan(*a, **k))
+    real_plan = runs.build
+    monkeypatch.setattr(runs, "build", lambda *a, **k: made.append(a[-1]) or real_plan(*a, **k))
     P = 4
     dev = pk.DeviceKVPool(3, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
     idx = page_tokens(torch.arange(32), P)
@@ -440,7 +443,7 @@ def cpu_backend():
     ("page_first_direct", list(range(0, 64, 2)), range(0, 32), "kernel"),  # single pages on the host: short copies
 ])
 def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, device_pages, chosen):
-    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
     P = 4
     dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
     host = pk.AsymmetricHostPool(dev, layout=layout, io_backend="auto")
@@ -450,7 +453,7 @@ def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, de
     mover = host._mover("auto")
     # The link rule scaled to this pool's 192-byte K rows: 4 pages a copy.
     mover.rule = staged.StagingRule(min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2)
-    monkeypatch.setattr(staged, "DIRECT_MIN_COPY_BYTES", mover.rule.min_copy_bytes)
+    monkeypatch.setattr(auto, "DIRECT_MIN_COPY_BYTES", mover.rule.min_copy_bytes)
     used = []
     for name, sub in mover.movers.items():
         monkeypatch.setattr(sub, "move", lambda t, name=name, move=sub.move: (used.append(name), move(t)))
@@ -467,7 +470,7 @@ def test_auto_stages_only_the_transfers_its_rule_allows(cpu_backend, monkeypatch
     """The GPUs' rule stages backups, and loads only where their copies are batched
     (measured: staged loads as 2-D copies did not beat the kernel path; batched ones and
     staged backups did)."""
-    monkeypatch.setattr(staged, "AUTO_MIN_BYTES", 0)
+    monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
     rule = staged.LINK_RULE
     assert rule.auto_stages(False, False) and rule.auto_stages(True, True) and not rule.auto_stages(True, False)
     P = 4

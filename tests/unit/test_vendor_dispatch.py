@@ -11,10 +11,11 @@ import pytest
 import torch
 from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, FakeLib, fake_rocm_backend, install_fake_hip
 
-from portable_kv.backends import base, cuda, dma, rocm
-from portable_kv.backends import kernel_args as ka
+from portable_kv.backends import base, cuda, rocm
 from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError, check
-from portable_kv.plan import CopyBatch
+from portable_kv.io import direct as dma
+from portable_kv.io import kernel_args as ka
+from portable_kv.io.engine import CopyBatch
 
 STREAM = FAKE_STREAM
 

@@ -1,4 +1,5 @@
-"""Host runs -> 1-D/2-D copies between a host pool and a staging miniature of it; chunking.
+"""The staged path's plan: host runs -> 1-D/2-D copies between a host pool and a
+staging miniature of it, in chunks; and the rule of when staging carries a plan well.
 
 The staged io path moves the host side of a transfer with a few large copies
 (copy engines) and the device side with the copy kernel working between a
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .layout import HostStrides, canonical_view, host_shape, host_strides
+from ..layout import HostStrides, canonical_view, host_shape, host_strides
 
 # cudaMemcpy2DAsync / hipMemcpy2DAsync refuse a pitch above the device's maximum
 # pitch (cudaDevAttrMaxPitch: 2^31 - 1 on every current GPU); a layer_first pool
@@ -38,13 +39,12 @@ STAGING_ALIGN = 256
 # Chunks a large transfer is cut into: a few large ones, then chunks that shrink
 # toward the end of a load (grow from the start of a backup).  The kernel of a load's
 # last chunk (a backup's first) overlaps no copy, so that chunk sets the pipeline's
-# tail; every chunk boundary inside a run of host pages costs two more copies, and
-# each copy 2-3 us of copy-engine time on the H200 (docs/PERFORMANCE.md), and each
-# chunk ~60 us of host time.  TAPER: a load's chunk may be 0.6 of the one before and
-# still be copied no faster than the kernel (97-99 GB/s at 8 blocks in device memory on
-# the H200) empties the previous one (~53 GB/s over PCIe: 0.54), so the copies never
-# wait for a slot; a backup mirrors it.  TAIL_BYTES: the last chunk, whose kernel alone
-# is the tail (~20 us).
+# tail; every chunk boundary inside a run of host pages costs two more copies, each
+# with a fixed cost on the copy engine, and each chunk costs host time.  TAPER: the
+# most a load's chunk may shrink from the one before, so that the link fills it no
+# sooner than the kernel empties the previous slot and no copy waits for a slot; a
+# backup mirrors it.  TAIL_BYTES: the last chunk, whose kernel alone is the tail.
+# The measurements behind each number: docs/DESIGN.md, "The staged path".
 PIPELINE_CHUNKS = 4
 TAPER = 0.6
 TAIL_BYTES = 2 << 20
@@ -234,11 +234,11 @@ def copies(host: HostStrides, staging: HostStrides, page_size: int, page_major: 
                   shape[:, 0], shape[:, 1], shape[:, 2], shape[:, 3], ends.astype(np.int64))
 
 
-def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers: range, layer_count: int,
+def build(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers: range, layer_count: int,
          slot_bytes: int, to_device: bool = True) -> StagedPlan | None:
     """The staged plan of a transfer, or None where staging cannot carry it (a page layout's
     indices that are not whole pages, layers that are neither one nor all from 0, or not one
-    page fitting a slot).  `pairs` are plan.TensorPair (K, V): their host buffers, strides
+    page fitting a slot).  `pairs` are transfer.TensorPair (K, V): their host buffers, strides
     and registration pieces (runs are cut where either's piece ends)."""
     staged_layers = len(layers)
     if staged_layers != 1 and (layers.start != 0 or staged_layers != layer_count):
@@ -265,3 +265,42 @@ def plan(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers
     runs = tuple(copies(p.strides, s, page_size, major, host_idx[starts], starts - bounds[chunk_of_run], lengths,
                         staged_layers, chunk_of_run, len(chunks)) for p, s, major in zip(pairs, staging, page_major))
     return StagedPlan(chunk, chunks, staged_layers, staging, offsets, slot, runs)
+
+
+@dataclass(frozen=True)
+class StagingRule:
+    """When staging carries a transfer well, and which transfers `auto` stages.
+
+    Copies: each separate copy costs the copy engine a fixed time, so below an average of
+    `min_copy_bytes` a copy loses more than the kernel path does; rows under
+    `min_row_bytes` (page_head's per-layer rows are one head's) starve the engine.  Rows
+    of `batch_row_bytes` on average go as 1-D copies, a chunk's in one batched call, which
+    the engines run with less time between copies than separate 2-D copies; smaller rows
+    (a page_first_direct host's per-layer pages) stay 2-D copies.  `auto` stages backups,
+    loads whose copies go as 2-D copies, and loads whose copies are batched, as its
+    switches say.  The measurements behind each default: docs/DESIGN.md, "The staged path"."""
+
+    min_row_bytes: int = 1024
+    min_copy_bytes: int = 2 << 20
+    batch_row_bytes: int = 1 << 20
+    auto_loads: bool = True
+    auto_batched_loads: bool = True
+    auto_backups: bool = True
+
+    def carries(self, staged: StagedPlan) -> bool:
+        return staged.copy_count == 0 or (staged.min_width >= self.min_row_bytes and staged.mean_copy_bytes >= self.min_copy_bytes)
+
+    def auto_stages(self, to_device: bool, batched: bool) -> bool:
+        if not to_device:
+            return self.auto_backups
+        return self.auto_batched_loads if batched else self.auto_loads
+
+    def batches(self, staged: StagedPlan) -> bool:
+        rows = sum(int(c.height.sum()) for c in staged.copies)
+        return rows > 0 and sum(c.bytes for c in staged.copies) >= rows * self.batch_row_bytes
+
+
+# The GPUs' rule: staged loads as 2-D copies did not beat the kernel path; batched ones did.
+LINK_RULE = StagingRule(auto_loads=False)
+# The CPU backend models the path to run its planning in CI: it stages whatever staging can carry.
+EVERY_PLAN = StagingRule(0, 0)

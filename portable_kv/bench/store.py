@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-from .base import PageStore
+import portable_kv as pk
+
+from ..storage import LocalStore, MooncakeStore, PageStore
+from ..storage.master import MooncakeMaster
 
 GEOMETRY = {"layers": 16, "k_heads": 4, "k_dim": 192, "v_heads": 4, "v_dim": 128}
 
@@ -45,8 +48,6 @@ def run(
         raise ValueError(f"store: expected 'mooncake' or 'local', got {store!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
-    from .master import MooncakeMaster
-
     own_master = MooncakeMaster().start() if store == "mooncake" and master is None else None
     directory = path or tempfile.mkdtemp(prefix="portable_kv_bench_")
     try:
@@ -61,10 +62,6 @@ def run(
 
 
 def _measure(kind: str, page_size: int, total_bytes: int, repeats: int, layout: str, master: str | None, directory: str) -> dict:
-    import portable_kv as pk
-
-    from . import LocalStore, MooncakeStore
-
     g = GEOMETRY
     token_bytes = g["layers"] * (g["k_heads"] * g["k_dim"] + g["v_heads"] * g["v_dim"]) * 2
     pages = max(1, total_bytes // (token_bytes * page_size))

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..plan import TensorPair, Transfer
+from ..cache import IdentityCache
+from ..transfer import TensorPair, Transfer
 
+LAYER_TABLES_KEPT = 64  # device address tables kept per backend: a few device pools, each pair of K/V
 KERNEL_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; one entry point each (kv_copy.h)
 BLOCK = 512  # threads per block: PKV_BLOCK in kv_copy.h
 UNROLL = 4  # vectors in flight per thread: PKV_UNROLL in kv_copy.h
@@ -113,6 +115,17 @@ class LayerTable:
         self.alignment = math.gcd(*addresses)
 
 
+class LayerTables:
+    """The layer tables of one backend's device, kept by the identity of an engine's buffers."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tables: IdentityCache[LayerTable] = IdentityCache(LAYER_TABLES_KEPT)
+
+    def of(self, buffers: Sequence[torch.Tensor]) -> LayerTable:
+        return self._tables.get(buffers, lambda: LayerTable(buffers, self.device))
+
+
 class JobTemplate:
     """The kernel arguments that depend only on the host pool and the device buffers."""
 
@@ -148,13 +161,12 @@ class PreparedLaunch:
                  stream_device: bool = False) -> None:
         # The pairs and indices are referred to weakly: a launch is reused only while they
         # live (so the struct's addresses are theirs), and a kept launch never keeps an
-        # engine's dropped device pool alive.  Work already enqueued needs no reference:
-        # the index copies were made on the stream the kernel runs on, and torch's
-        # allocator reuses their memory in that stream's order.
+        # engine's dropped device pool alive.  It holds the index copies it points at, made
+        # on `stream`, the stream it runs on; work already enqueued needs no more, since
+        # torch's allocator reuses their memory in that stream's order.
         self._pairs = tuple(weakref.ref(p) for p in transfer.pairs)
         self._indices = weakref.ref(transfer.indices)
-        self.to_device, self.layers, self.quota = transfer.to_device, len(transfer.layers), block_quota
-        self.stream = stream  # the index copies it points at were made on this stream, for it
+        self.indices = transfer.indices.on(template.tables[0].addresses.device, stream)
         self.template = template  # keeps the layer tables alive
         self.width = template.width
         self.args = CopyArgs()
@@ -164,8 +176,7 @@ class PreparedLaunch:
         rows = transfer.tokens * len(transfer.layers)
         args.job[1].vec_begin = rows * template.vecs_per_row[0]
         args.total_vecs = rows * (template.vecs_per_row[0] + template.vecs_per_row[1])
-        host_indices, device_indices = transfer.indices.on(template.tables[0].addresses.device)
-        args.host_indices, args.device_indices = host_indices.data_ptr(), device_indices.data_ptr()
+        args.host_indices, args.device_indices = self.indices[0].data_ptr(), self.indices[1].data_ptr()
         args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)
         args.page_size = transfer.page_size
         # (an empty transfer has no vectors, so nothing divides by its 0 tokens)
@@ -177,9 +188,9 @@ class PreparedLaunch:
         self._param_array = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         self.params = ctypes.addressof(self._param_array)
         self.kernel = 0  # the entry point of self.width, set by the mover
+        self.setting: tuple = ()  # what else it was prepared for (direction, layers, quota, stream, ...), set by the mover
 
-    def matches(self, transfer: Transfer, block_quota: int, stream: int = 0) -> bool:
+    def made_for(self, transfer: Transfer) -> bool:
+        """Whether this launch was prepared for `transfer`'s pairs and indices, which still live."""
         k, v = self._pairs
-        return (self._indices() is transfer.indices and k() is transfer.pairs[0] and v() is transfer.pairs[1]
-                and self.to_device == transfer.to_device and self.layers == len(transfer.layers) and self.quota == block_quota
-                and self.stream == stream)
+        return self._indices() is transfer.indices and k() is transfer.pairs[0] and v() is transfer.pairs[1]

@@ -1,0 +1,91 @@
+"""The `auto` io path: a choice per call between kernel, direct and staged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..transfer import Transfer
+from .direct import run_offsets
+from .mover import Mover, MoverFactory, share_flag
+from .staged import StagedMover
+from .staged_plan import LINK_RULE, StagingRule
+
+# Under this many bytes a call is latency: the kernel path's one launch is the cheapest.
+AUTO_MIN_BYTES = 4 << 20
+# Batched copies this large on average keep the direct path at the link (its descriptors,
+# unlike separate copies, follow one another with no gap); smaller ones cost host time.
+DIRECT_MIN_COPY_BYTES = 512 << 10
+
+
+class AutoMover(Mover):
+    """Picks the io path per call from the transfer's plans, and keeps the choice with its
+    indices for its pools.  The rule (the measurements behind it: docs/DESIGN.md):
+
+    1. under AUTO_MIN_BYTES: `kernel`; a call that small is latency, and the kernel path
+       is one launch;
+    2. the direct plan's copies (runs consecutive on both sides) average at least
+       DIRECT_MIN_COPY_BYTES: `direct`, the copy engines straight between the pools, no SM
+       and no staging;
+    3. where `rule` says staging carries the transfer and `auto` stages it (on GPUs:
+       backups, and loads whose copies go as one batched call a chunk): `staged`;
+    4. otherwise `kernel`: short host runs would cost the copy engines more per copy than
+       the kernel path loses at any placement.
+
+    A load that would stage takes `kernel` while a staged backup of the same pool still
+    runs: both staged at once share the link worse than a kernel-path load beside the
+    backup.  That part of the choice is made per call, not kept.
+    """
+
+    io = "auto"
+
+    def __init__(self, kernel: MoverFactory, direct: MoverFactory, staged: StagedMover, rule: StagingRule = LINK_RULE) -> None:
+        super().__init__(staged.device)
+        self.movers = {"kernel": kernel(), "direct": direct(), "staged": staged}
+        self.parts = tuple(self.movers.values())
+        share_flag(self.bad_index, *self.parts)
+        self.rule = rule
+        self._backup_done: Any = None  # an event recorded after this pool's latest staged backup
+        self.last_choice = ""  # the path of the latest call, for benchmarks and diagnostics
+
+    def choice(self, transfer: Transfer) -> str:
+        """The io path this mover takes for `transfer`: "kernel", "direct" or "staged"."""
+        key = ("auto", transfer.to_device, len(transfer.layers) == 1)
+        stamp = (len(transfer.layers), self.movers["staged"].staging_bytes, self.rule)
+        return transfer.indices.known((transfer.pairs,), key, lambda: self._choose(transfer), stamp)
+
+    def _choose(self, transfer: Transfer) -> str:
+        if transfer.bytes < AUTO_MIN_BYTES:
+            return "kernel"
+        descriptors = nbytes = 0
+        for pair in transfer.pairs:
+            sizes = run_offsets(transfer.indices, pair, transfer.page_size)[2]
+            descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
+        if descriptors and nbytes / descriptors >= DIRECT_MIN_COPY_BYTES:
+            return "direct"
+        prepared = self.movers["staged"].prepared(transfer)
+        if (prepared is not None and prepared.carried_by(self.rule)
+                and self.rule.auto_stages(transfer.to_device, prepared.batched_by(self.rule))):
+            return "staged"
+        return "kernel"
+
+    def move(self, transfer: Transfer) -> None:
+        self.bad_index.check()
+        chosen = self.choice(transfer)
+        if chosen == "staged" and transfer.to_device and self._backup_running():
+            chosen = "kernel"
+        self.last_choice = chosen
+        self.movers[chosen].move(transfer)
+        if chosen == "staged" and not transfer.to_device:
+            streams = self.movers["staged"].streams
+            if self._backup_done is None:
+                self._backup_done = streams.event()
+            streams.record(self._backup_done, streams.current())
+
+    def _backup_running(self) -> bool:
+        """Whether this pool's latest staged backup is still running."""
+        return self._backup_done is not None and not self.movers["staged"].streams.done(self._backup_done)
+
+    def close(self) -> None:
+        self._backup_done = None
+        for mover in self.parts:
+            mover.close()

@@ -1,0 +1,88 @@
+"""The benchmark on two trees of the package in one run, one after the other (old, new,
+new, old, so that a drift of the host or the link shows as spread, not as a difference),
+then every row of the two side by side.
+
+A row is slower when the new tree's mean is below the old one's by more than
+max(2%, the run-to-run spread of that row on either tree), the spread being how far a
+tree's two runs differ. Rows are matched by section, name, direction and page size.
+
+Run: python3 tools/bench_ab.py --old /path/to/old/tree --out DIR [--rounds 2] -- --section staged --quick
+     python3 tools/bench_ab.py --compare DIR      (the table again from DIR's JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from statistics import mean
+
+NEW = Path(__file__).resolve().parent.parent
+
+
+def run(tree: Path, label: str, out: Path, bench_args: list[str]) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")])))
+    target = out / f"{label}.json"
+    print(f"[ab] {label}: {tree}", flush=True)
+    with open(out / f"{label}.txt", "w") as log:
+        code = subprocess.call([sys.executable, "-m", "portable_kv", "bench", *bench_args, "--json", str(target)],
+                               env=env, cwd=tree, stdout=log, stderr=subprocess.STDOUT)
+    if code:
+        print(f"[ab] {label}: exit status {code} (see {out / (label + '.txt')})", flush=True)
+
+
+def rows(path: Path) -> dict[tuple, float]:
+    found = {}
+    for row in json.loads(path.read_text())["rows"]:
+        if row.get("gbps"):
+            found[(row["section"], row["name"], row["direction"], row["page_size"])] = row["gbps"]
+    return found
+
+
+def compare(out: Path) -> list[str]:
+    runs = {tree: [rows(p) for p in sorted(out.glob(f"{tree}_*.json"))] for tree in ("old", "new")}
+    if not runs["old"] or not runs["new"]:
+        raise SystemExit(f"{out}: expected old_*.json and new_*.json")
+    keys = [k for k in runs["old"][0] if all(k in r for tree in runs.values() for r in tree)]
+    lines = ["| section | row | dir | page | old GB/s | new GB/s | new/old | spread | |", "|---|---|---|---|---|---|---|---|---|"]
+    slower = 0
+    for key in keys:
+        old, new = ([r[key] for r in runs[tree]] for tree in ("old", "new"))
+        spread = max((max(v) - min(v)) / mean(v) for v in (old, new))
+        ratio = mean(new) / mean(old)
+        flag = "slower" if ratio < 1 - max(0.02, spread) else ""
+        slower += bool(flag)
+        section, name, direction, page = key
+        lines.append(f"| {section} | {name} | {direction} | {page} | {mean(old):.2f} | {mean(new):.2f} | {ratio:.3f} | {spread:.1%} | {flag} |")
+    lines.append(f"\n{len(keys)} rows, {slower} slower than max(2%, spread)")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", type=Path, help="the old tree (a checkout or `git archive` of it)")
+    parser.add_argument("--out", type=Path, default=Path("out/ab"))
+    parser.add_argument("--rounds", type=int, default=2, help="runs per tree, alternating")
+    parser.add_argument("--compare", type=Path, help="only print the table of an earlier run's folder")
+    args, bench_args = parser.parse_known_args()
+    bench_args = [a for a in bench_args if a != "--"]
+    if args.compare:
+        print("\n".join(compare(args.compare)))
+        return
+    if args.old is None:
+        parser.error("--old: expected the old tree's path")
+    args.out.mkdir(parents=True, exist_ok=True)
+    order = [("old", "new") if i % 2 == 0 else ("new", "old") for i in range(args.rounds)]
+    for i, pair in enumerate(order, 1):
+        for tree in pair:
+            run(args.old.resolve() if tree == "old" else NEW, f"{tree}_{i}", args.out, bench_args)
+    table = compare(args.out)
+    (args.out / "ab.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -38,10 +38,15 @@ class IndexPair:
     offset views are made dense."""
 
     def __init__(self, host: torch.Tensor, device: torch.Tensor,
-                 snapshots: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:
+                 snapshots: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                 host_readable: bool = True) -> None:
         # As given: copies are made where and when a mover asks, so GPU-resident indices
         # are read on the host only by the paths that plan on the host (never by kernel io).
         self._given = (host, device)
+        # False: the owner asked that GPU-resident indices not be read on the host (the read
+        # would wait for the stream that produces them); a path that must plan on the host
+        # still may, and waits, so `auto` takes the kernel path for such a pair.
+        self.host_readable = host_readable
         self.tokens = int(host.numel())
         # The CPU-resident values validated, compared on reuse: version counters miss writes
         # made through .numpy(), .data or DLPack.

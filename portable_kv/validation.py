@@ -92,8 +92,9 @@ class IndexValidator:
     def __init__(self, host_tokens: int, page_size: int, layout: str, validate: bool) -> None:
         self.host_tokens, self.page_size, self.layout, self.validate = host_tokens, page_size, layout, validate
         self.validations = 0  # how many pairs were validated (not found kept): tests count them
-        # False: GPU-resident device indices beside CPU host indices are not read on the host
-        # (SGLangHostPool: SGLang's kernel io passes them so); the kernels bound-check them.
+        # False: GPU-resident indices are not read on the host (SGLangHostPool: SGLang's
+        # kernel io passes both on the GPU, its load stream held behind the model's); the
+        # kernels bound-check them.
         self.read_gpu_indices = True
         self._kept: IdentityCache[IndexPair] = IdentityCache(VALIDATED_KEPT)
 
@@ -114,14 +115,18 @@ class IndexValidator:
         if host.numel() != dev.numel():
             raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
         host = _owned_int64(host)
-        if dev.device.type != "cpu" and host.device.type == "cpu" and not self.read_gpu_indices:
-            # Reading them would block the host until the current stream reaches this call
-            # (an engine's load stream waits for its model stream): the kernels bound-check
-            # every index instead, skipping and flagging one outside the pools.
-            if self.validate:
+        if (dev.device.type != "cpu" or host.device.type != "cpu") and not self.read_gpu_indices:
+            # Reading GPU-resident indices would block the host until the current stream
+            # reaches this call (an engine's load stream waits for its model stream): the
+            # kernels bound-check every index instead, skipping and flagging one outside the
+            # pools; CPU-resident ones are checked here as always.
+            if self.validate and host.device.type == "cpu":
                 self._check(host.numpy(), "host_indices", self.host_tokens, unique=not to_device)
+            if self.validate and dev.device.type == "cpu":
+                self._check(dev.numpy(), "device_indices", device_tokens, unique=to_device)
             self.validations += 1
-            return IndexPair(host, dev, (_snapshot(host_indices, host), None))
+            snapshots = _snapshot(host_indices, host), _snapshot(device_indices, _owned_int64(dev))
+            return IndexPair(host, dev, snapshots, host_readable=False)
         dev = _owned_int64(dev)
         snapshots = _snapshot(host_indices, host), _snapshot(device_indices, dev)
         if dev.device != host.device:

@@ -21,8 +21,9 @@ class AutoMover(Mover):
     """Picks the io path per call from the transfer's plans, and keeps the choice with its
     indices for its pools.  The rule (the measurements behind it: docs/DESIGN.md):
 
-    1. under AUTO_MIN_BYTES: `kernel`; a call that small is latency, and the kernel path
-       is one launch;
+    1. under AUTO_MIN_BYTES, or indices its pool asked not to read on the host (the other
+       paths plan from their values): `kernel`; a call that small is latency, and the
+       kernel path is one launch;
     2. the direct plan's copies (runs consecutive on both sides) average at least
        DIRECT_MIN_COPY_BYTES: `direct`, the copy engines straight between the pools, no SM
        and no staging;
@@ -54,7 +55,7 @@ class AutoMover(Mover):
         return transfer.indices.known((transfer.pairs,), key, lambda: self._choose(transfer), stamp)
 
     def _choose(self, transfer: Transfer) -> str:
-        if transfer.bytes < AUTO_MIN_BYTES:
+        if transfer.bytes < AUTO_MIN_BYTES or not transfer.indices.host_readable:
             return "kernel"
         descriptors = nbytes = 0
         for pair in transfer.pairs:

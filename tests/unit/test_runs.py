@@ -306,6 +306,54 @@ def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backe
     host.close()
 
 
+def test_indices_the_pool_may_not_read_stay_unread_and_auto_takes_the_kernel_path(cpu_backend, monkeypatch):
+    """A pool that must not read GPU-resident indices on the host (SGLang's kernel io passes
+    both on the GPU, its load stream held behind the model's) validates what is on the CPU,
+    reads nothing else, and `auto` then takes the kernel path, the one that plans nothing
+    from their values. Meta tensors stand in for GPU-resident ones: reading one fails."""
+    from portable_kv import validation
+    from portable_kv.indices import IndexPair
+    from portable_kv.validation import IndexValidator
+
+    checked = validation.index_tensor
+    monkeypatch.setattr(validation, "index_tensor", lambda name, value: value if value.is_meta else checked(name, value))
+    validator = IndexValidator(host_tokens=64, page_size=4, layout="layer_first", validate=True)
+    on_gpu = torch.arange(8, device="meta")
+    with pytest.raises(NotImplementedError):
+        validator(on_gpu, on_gpu, 64, True)  # read on the host: what the pool asked not to do
+    validator.read_gpu_indices = False
+    for host_idx, dev_idx in ((on_gpu, on_gpu), (torch.arange(8), on_gpu), (on_gpu, torch.arange(8))):
+        assert validator(host_idx, dev_idx, 64, True).host_readable is False
+    with pytest.raises(ValueError, match="host_indices"):
+        validator(torch.arange(60, 68), on_gpu, 64, True)  # CPU-resident ones are still checked
+    with pytest.raises(ValueError, match="device_indices"):
+        validator(on_gpu, torch.arange(60, 68), 64, True)
+    assert validator(torch.arange(8), torch.arange(8), 64, True).host_readable is True
+
+    monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
+    P = 4
+    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    idx = page_tokens(torch.arange(32), P)
+    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="auto")
+    mover = host._mover("auto")
+    mover.rule = replace(staged.LINK_RULE, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2, batch_row_bytes=1024)
+    host.load_to_device_per_layer(dev, idx, idx, 1)
+    assert mover.last_choice == "staged", "rows long enough to stage, indices readable"
+    validate = IndexValidator.__call__
+
+    def unreadable(self, *args):
+        pair = validate(self, *args)
+        return IndexPair(*pair._given, pair.snapshots, host_readable=False)
+
+    monkeypatch.setattr(IndexValidator, "__call__", unreadable)
+    # The CPU's kernel path reads them (it is the oracle); auto's plans must not.
+    monkeypatch.setattr(auto, "run_offsets", lambda *args: pytest.fail("auto planned from indices it was told not to read"))
+    monkeypatch.setattr(mover.movers["staged"], "prepared", lambda *args: pytest.fail("auto planned staging from them"))
+    host.load_to_device_per_layer(dev, idx.clone(), idx.clone(), 1)
+    assert mover.last_choice == "kernel"
+    host.close()
+
+
 class LoggedStreams(InlineStreams):
     """A GPU's streams as names and its events as objects: every record and wait logged."""
 

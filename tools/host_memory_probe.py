@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import sys
 import types
 import weakref
@@ -25,13 +26,17 @@ STEPS = ("construct", "load", "load+backup")
 
 def referrers(obj: object, depth: int = 0, seen: set[int] | None = None, limit: int = 4) -> list[str]:
     """The chain of Python objects that refer to `obj`, a few levels up."""
-    seen = seen if seen is not None else {id(sys._getframe())}
+    # Frames by id only: a frame bound to a local would refer to itself, and keep `obj` alive.
+    here = inspect.currentframe()
+    caller = id(here.f_back) if here is not None else None
+    seen = seen if seen is not None else {id(here)}
+    del here
     lines = []
     for ref in gc.get_referrers(obj):
         if id(ref) in seen:
             continue
         if isinstance(ref, types.FrameType):  # a frame that outlived its call: held by a traceback or a generator
-            if ref is not sys._getframe(1) and ref.f_code.co_name not in ("probe", "referrers", "main"):
+            if id(ref) != caller and ref.f_code.co_name not in ("probe", "referrers", "main"):
                 lines.append("  " * depth + f"<- frame {ref.f_code.co_filename}:{ref.f_lineno} {ref.f_code.co_name}")
                 seen.add(id(ref))
                 if depth < limit:
@@ -56,6 +61,8 @@ def sharing(buffer: torch.Tensor) -> list[str]:
         if isinstance(obj, torch.Tensor) and obj is not buffer and obj.device.type == "cpu":
             try:
                 if begin <= obj.data_ptr() < end:
+                    # torch's `_base` is its one way to tell a view (which keeps its base's memory)
+                    # from a tensor made over the same memory; no public name says it.
                     found.append(f"tensor {tuple(obj.shape)} {obj.dtype} base={'yes' if obj._base is not None else 'no'}: "
                                  + "; ".join(referrers(obj, limit=2)[:6]))
             except RuntimeError:
@@ -119,6 +126,8 @@ def probe(backend: str, io: str, step: str, rounds: int = 6) -> bool:
             print("    holds dropped memory: " + line)
     if alive:
         k = alive[0]
+        # torch's `_use_count()` counts the TensorImpl's C++ owners too (a frame the sanitizer or
+        # an extension holds), which `sys.getrefcount` cannot see; no public name gives it.
         print(f"    refcount {sys.getrefcount(k) - 2}, TensorImpl uses {k._use_count()}, gc.garbage {len(gc.garbage)}")
         for line in referrers(k)[:30]:
             print("    " + line)

@@ -64,7 +64,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   step tests
   if python3 -c "import xdist" 2>/dev/null; then WORKERS="-n ${PKV_WORKERS:-16}"; else WORKERS=""; fi
   # tests/gpu/test_sglang_gpu.py runs in a step of its own below: one process, no workers.
-  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider -rfE $WORKERS --junitxml "$OUT/junit.xml" \
+  # SIGINT at the limit: pytest stops its workers and still prints which tests failed.
+  timeout -s INT -k 30 "${TEST_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider -rfE $WORKERS --junitxml "$OUT/junit.xml" \
     --ignore tests/gpu/test_sglang_gpu.py tests > "$OUT/tests.txt" 2>&1
   echo "pytest exit status $?" | tee -a "$LOG"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.txt" | tail -n 30 | tee -a "$LOG"

@@ -1,4 +1,4 @@
-"""The page-locked host memory behind one host pool's K and V buffers.
+"""The page-locked host memory behind one host pool's buffers (K and V, or MLA's latent).
 
 Two kinds:
 - `pinned`: page-locked allocations from torch (cudaHostAlloc / hipHostMalloc);
@@ -61,29 +61,30 @@ class _Registrations:
 
 
 class HostMemory:
-    """K and V host buffers of the given shapes, of one kind, on one NUMA node."""
+    """Host buffers of the given shapes (K and V, or one latent buffer), of one kind, on one NUMA node."""
 
-    def __init__(self, backend: Backend, kind: str, shapes: tuple[tuple[int, ...], tuple[int, ...]], dtype: torch.dtype,
+    def __init__(self, backend: Backend, kind: str, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype,
                  page_num: int, page_size: int, pin: bool, numa_node: int | None) -> None:
         if kind not in HOST_MEMORY:
             raise ValueError(f"host_memory: expected one of {', '.join(HOST_MEMORY)}, got {kind!r}")
         self.kind, self.backend, self.dtype = kind, backend, dtype
         self.page_num, self.page_size = page_num, page_size
-        # K's and V's: > 0, registered in pieces of this many tokens (K and V pages differ in
-        # size, so their 1 GiB pieces hold different page counts)
-        self.registration_tokens = (0, 0)
+        # One per buffer: > 0, registered in pieces of this many tokens (K and V pages differ
+        # in size, so their 1 GiB pieces hold different page counts)
+        self.registration_tokens = (0,) * len(shapes)
         self.device_addresses_differ = False  # the GPU maps registered memory at another address (kernel io cannot use it)
         self._finalizers: list[weakref.finalize] = []
         with bind_allocations(numa_node):
             if kind == "registered":
-                (self.k, k_tokens), (self.v, v_tokens) = self._registered(shapes[0]), self._registered(shapes[1])
-                self.registration_tokens = (k_tokens, v_tokens)
+                registered = [self._registered(shape) for shape in shapes]
+                self.buffers: tuple[torch.Tensor, ...] = tuple(buffer for buffer, _ in registered)
+                self.registration_tokens = tuple(tokens for _, tokens in registered)
             else:
                 if numa_node is not None and pin:
                     # torch's pinned allocator reuses freed blocks (rounded up to powers of two),
                     # wherever they were placed: empty its cache so the pages are fresh.
                     release_cached_host_memory()
-                self.k, self.v = self._pinned(shapes[0], pin), self._pinned(shapes[1], pin)
+                self.buffers = tuple(self._pinned(shape, pin) for shape in shapes)
 
     def _pinned(self, shape: tuple[int, ...], pin: bool) -> torch.Tensor:
         try:
@@ -128,13 +129,13 @@ class HostMemory:
         return buffer, pages_per_piece * self.page_size
 
     def release(self) -> None:
-        """Unregister now (after in-flight transfers) and let go of K and V: the memory goes
+        """Unregister now (after in-flight transfers) and let go of the buffers: the memory goes
         back to its allocator when the last tensor viewing it does, even while the pool
         object that owned this lives on (engines keep it referenced after `close()`)."""
         for finalizer in self._finalizers:
             finalizer()
         self._finalizers = []
-        self.k = self.v = None
+        self.buffers = ()
 
 
 def _available_host_memory() -> int | None:

@@ -78,14 +78,13 @@ class SGLangSurface:
         return self.page_size * self.dcp_size
 
     def get_ksize_per_token(self) -> int:
-        """Bytes of K per token over all layers."""
-        g = self._geometry
-        return self.layer_num * g.k_heads * g.k_dim * self.dtype.itemsize
+        """Bytes of K per token over all layers (MLA: of the latent, the whole row, as SGLang's pool says)."""
+        heads, dim = self._geometry.shapes[0]
+        return self.layer_num * heads * dim * self.dtype.itemsize
 
     def get_size_per_token(self) -> int:
-        """Bytes of K and V per token over all layers."""
-        g = self._geometry
-        return self.get_ksize_per_token() + self.layer_num * g.v_heads * g.v_dim * self.dtype.itemsize
+        """Bytes of every buffer per token over all layers."""
+        return self.layer_num * self._geometry.token_elements * self.dtype.itemsize
 
     @property
     def size_per_token(self) -> int:

@@ -53,6 +53,7 @@ class HostPool(PageAccess, SGLangSurface):
     same names here, each one host tensor in the layout's shape."""
 
     kind: PoolKind
+    layouts: tuple[str, ...] = LAYOUTS  # the layouts this kind of pool offers
 
     def __init__(
         self,
@@ -104,7 +105,7 @@ class HostPool(PageAccess, SGLangSurface):
         self._init_allocator()
 
     def _check_layout(self, layout: str) -> str:
-        return check_layout(layout)
+        return check_layout(layout, self.layouts)
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:

@@ -122,10 +122,11 @@ def test_a_missing_command_is_still_named(capsys):
 def test_check_table_columns_line_up():
     from portable_kv.check import CheckResult, table
 
-    lines = table([CheckResult("layer_first", "kernel", True, 2621440, 0.1),
+    lines = table([CheckResult("layer_first", "kernel", True, 2621440, 0.1, pool="MLA"),
                    CheckResult("page_first_direct", "L3 local", False, 5242880, 0.2, "pages read back from the local store differ")])
     header = lines[0]
     starts = [header.index(name) for name in ("io", "result", "detail")]
+    assert lines[1].startswith("MLA ") and lines[2].startswith("MHA ") and header.index("layout") == lines[1].index("layer_first")
     assert lines[1][starts[0]:].startswith("kernel") and lines[2][starts[0]:].startswith("L3 local")
     assert lines[1][starts[1]:].startswith("PASS") and lines[2][starts[1]:].startswith("FAIL")
     assert lines[2][starts[2]:].startswith("pages read back")
@@ -167,9 +168,10 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 def test_check_passes_every_layout_and_io_and_says_what_ran(capsys):
     assert main(["check"]) == 0
     out = capsys.readouterr().out
-    roundtrips = [line for line in out.splitlines() if line.split()[1:2] in (["kernel"], ["direct"])]
-    assert len(roundtrips) == 8 and all(" PASS " in line for line in roundtrips)
-    header = next(line for line in out.splitlines() if line.startswith("layout "))
+    roundtrips = [line for line in out.splitlines() if line.split()[2:3] in (["kernel"], ["direct"])]
+    assert len(roundtrips) == 8 + 6 and all(" PASS " in line for line in roundtrips)  # MHA: 4 layouts; MLA: 3
+    assert sum(line.startswith("MLA ") for line in roundtrips) == 6
+    header = next(line for line in out.splitlines() if line.startswith("pool "))
     rows = [line for line in out.splitlines() if " PASS " in line or " FAIL " in line]
     assert all(line[header.index("result"):].startswith(("PASS", "FAIL")) for line in rows), out  # the L3 row included
     assert f"on backend {backends.current().name}" in out and " 0 failed" in out

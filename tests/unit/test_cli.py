@@ -217,6 +217,23 @@ def test_bench_cpu_run_is_labelled_for_what_it_is(tmp_path, capsys):
     assert (tmp_path / "again.md").read_text() == summary  # the same summary from the saved rows
     assert "CPU backend" in summary and "| cpu kernel, page_first_direct | " in summary and "| cpu direct, page_first_direct | " in summary
     assert "%" not in summary and "H2D" not in summary and "ceiling (one host memcpy of the same bytes)" in summary
+    # The MLA rows (DeepSeek-V3's latent), --quick: page_first_direct through each io path, a table of their own.
+    mla = {(row["name"], row["direction"]) for row in data["rows"] if row["section"] == "mla"}
+    assert mla == {(f"cpu page_first_direct {io}", d) for io in ("kernel", "direct") for d in ("h2d", "d2h")}
+    mla_table = summary[summary.index("| MLA path, a 576-element latent row | page 4 |"):]
+    assert "| cpu kernel, page_first_direct | " in mla_table and "| cpu direct, page_first_direct | " in mla_table
+
+
+def test_bench_mla_rows_follow_their_flags(tmp_path, capsys):
+    """--mla-dim 0 leaves the MLA rows out; the staged section measures every io path on an MLA pool too."""
+    path = tmp_path / "bench.json"
+    assert cpu_bench("--mla-dim", "0", "--json", str(path)) == 0
+    assert not [row for row in json.loads(path.read_text())["rows"] if row["section"] == "mla"]
+    assert cpu_bench("--section", "staged", "--mla-dim", "40") == 0
+    out = capsys.readouterr().out
+    for io in ("kernel", "direct", "staged", "auto"):
+        assert f"cpu {io}, MLA, allocator host pages " in out and f"cpu {io}, MLA, random host pages " in out
+    assert cpu_bench("--mla-dim", "-1") == 2 and "--mla-dim: expected an integer >= 0" in capsys.readouterr().err
 
 
 def test_bench_host_cost_section(capsys):

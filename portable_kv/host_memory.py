@@ -1,4 +1,4 @@
-"""The page-locked host memory behind one host pool's buffers (K and V, or MLA's latent).
+"""The page-locked host memory behind one host pool's buffers (K and V, or MLA's latent), and its size in tokens.
 
 Two kinds:
 - `pinned`: page-locked allocations from torch (cudaHostAlloc / hipHostMalloc);
@@ -22,7 +22,9 @@ import math
 import mmap
 import weakref
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from . import config
@@ -42,6 +44,23 @@ def check_available(nbytes: int) -> None:
             f"host pool: {nbytes / 1e9:.2f} GB requested but {available / 1e9:.2f} GB available "
             f"with {reserve / 1e9:.2f} GB kept in reserve; lower host_size_gb or host_to_device_ratio"
         )
+
+
+def host_tokens(ratio: Any, host_size_gb: Any, device_tokens: int, token_bytes: int, buffers: str) -> int:
+    """Host tokens from host_size_gb when it is > 0, else from the ratio to the device pool."""
+    for name, value in (("host_to_device_ratio", ratio), ("host_size_gb", host_size_gb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+            raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    if host_size_gb < 0:
+        raise ValueError(f"host_size_gb: expected >= 0 (0: size from host_to_device_ratio), got {host_size_gb}")
+    if host_size_gb > 0:
+        tokens = int(host_size_gb * 1e9 // token_bytes)
+        if tokens < 1:
+            raise ValueError(f"host_size_gb: {host_size_gb} GB holds no token of {token_bytes} bytes ({buffers}, all layers)")
+        return tokens
+    if ratio <= 0:
+        raise ValueError(f"host_to_device_ratio: expected > 0 (or host_size_gb > 0), got {ratio}")
+    return int(math.ceil(ratio * device_tokens))
 
 
 class _Registrations:

@@ -15,15 +15,16 @@ from typing import Any
 
 import torch
 
-from .device_pool import MLA, latent_split
+from .device_pool import MLA, DeviceGeometry, latent_split
 from .layout import LAYOUTS
 from .pool import HostPool
+from .sglang_surface import MLASurface
 
 # page_head orders a page by head; a latent row is one head, and SGLang's MLA pool refuses it.
 MLA_LAYOUTS = tuple(layout for layout in LAYOUTS if layout != "page_head")
 
 
-class MLAHostPool(HostPool):
+class MLAHostPool(HostPool, MLASurface):
     """The host tier of an MLA pool: latent pages in page-locked host memory, in one of three layouts.
 
     `kv_buffer` is one tensor: (L, size, 1, D) layer_first, (size, L, 1, D)
@@ -46,7 +47,9 @@ class MLAHostPool(HostPool):
         numa_node: int | str | None = None,
     ) -> None:
         super().__init__(device_pool, host_to_device_ratio, host_size_gb, layout, io_backend, pin_memory, validate, host_memory, numa_node)
-        self.kv_cache_dim = self._geometry.shapes[0][1]
+
+    def _describe_rows(self, device_pool: Any, geometry: DeviceGeometry) -> None:
+        self.kv_cache_dim = geometry.shapes[0][1]
         # From the device pool where it says (SGLang's does); else the row is all latent.
         self.kv_lora_rank, self.qk_rope_head_dim = latent_split(
             self.kv_cache_dim, getattr(device_pool, "kv_lora_rank", None), getattr(device_pool, "qk_rope_head_dim", 0))
@@ -55,15 +58,3 @@ class MLAHostPool(HostPool):
         if layout == "page_head":
             raise ValueError(f"layout: 'page_head' orders a page by head and an MLA pool has one; expected one of {', '.join(MLA_LAYOUTS)}, got 'page_head'")
         return super()._check_layout(layout)
-
-    # -- SGLang's MLATokenToKVPoolHost surface ----------------------------------------
-
-    @property
-    def token_stride_size(self) -> int:
-        """Bytes of one token's latent row in one layer."""
-        return self.kv_cache_dim * self.dtype.itemsize
-
-    @property
-    def layout_dim(self) -> int:
-        """Bytes of one token's latent rows over all layers."""
-        return self.token_stride_size * self.layer_num

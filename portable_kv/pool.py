@@ -11,7 +11,6 @@ tiers in pages.py; the SGLang host-pool surface in sglang_surface.py.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -22,7 +21,7 @@ import torch
 from . import backends
 from .backends.base import Backend
 from .device_pool import MHA, DeviceGeometry, DeviceKVPool, PoolKind, device_geometry, positive_int
-from .host_memory import HOST_MEMORY, HostMemory, check_available
+from .host_memory import HOST_MEMORY, HostMemory, check_available, host_tokens
 from .io.mover import IO_PATHS, Mover
 from .layout import LAYOUTS, check_layout, host_shape
 from .numa import Placement, placement
@@ -44,6 +43,7 @@ class Binding(NamedTuple):
     device_pool: Any
     geometry: DeviceGeometry
     pairs: tuple[TensorPair, ...]
+    held: tuple[tuple[str, list[torch.Tensor]], ...]  # each buffer's name and the per-layer tensors the pairs hold
 
 
 class HostPool(PageAccess, SGLangSurface):
@@ -72,12 +72,13 @@ class HostPool(PageAccess, SGLangSurface):
         self.io_backend = self._check_io(io_backend)
         geometry = device_geometry(device_pool, self.kind)
         self._geometry = geometry
+        self._describe_rows(device_pool, geometry)
         self.page_size = positive_int("device_pool.page_size", getattr(device_pool, "page_size", 0))
         self.layer_num, self.dtype = geometry.layers, geometry.dtype
         self.backend.check_dtype(self.dtype)
         self.validate = bool(validate)
         token_bytes = self.layer_num * geometry.token_elements * self.dtype.itemsize
-        tokens = _host_tokens(host_to_device_ratio, host_size_gb, geometry.tokens, token_bytes, "+".join(self.kind.labels))
+        tokens = host_tokens(host_to_device_ratio, host_size_gb, geometry.tokens, token_bytes, "+".join(self.kind.labels))
         self.page_num = max(1, -(-tokens // self.page_size))
         self.size = self.page_num * self.page_size
         self.pin_memory = bool(pin_memory) and self.backend.pins_memory
@@ -106,6 +107,9 @@ class HostPool(PageAccess, SGLangSurface):
 
     def _check_layout(self, layout: str) -> str:
         return check_layout(layout, self.layouts)
+
+    def _describe_rows(self, device_pool: Any, geometry: DeviceGeometry) -> None:
+        """What a kind of pool reads and checks of its rows before any memory is allocated."""
 
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
@@ -193,25 +197,24 @@ class HostPool(PageAccess, SGLangSurface):
         when that layer next moves.  A per-layer call checks one tensor per
         buffer, not all of them: it is on the per-call host-time budget.
         """
-        given = [getattr(device_pool, name, None) for name in self.kind.buffers]
         bound = self._binding
         if bound is not None:
-            if bound.device_pool is device_pool and all(type(g) is list and len(g) == len(p.device) for g, p in zip(given, bound.pairs)):
-                first, stop = layers.start, layers.stop
-                if len(layers) == 1:
-                    for g, pair in zip(given, bound.pairs):
-                        if g[first] is not pair.device[first]:
-                            break
-                    else:
-                        return bound
-                elif all(all(map(operator.is_, g[first:stop], p.device[first:stop])) for g, p in zip(given, bound.pairs)):
-                    return bound
-            elif all(_same_tensors(g, p.device) for g, p in zip(given, bound.pairs)):
+            first, stop = layers.start, layers.stop
+            same_pool, one = bound.device_pool is device_pool, stop - first == 1
+            for name, held in bound.held:
+                given = getattr(device_pool, name, None)
+                if same_pool and type(given) is list and len(given) == len(held):
+                    if (given[first] is not held[first]) if one else not all(map(operator.is_, given[first:stop], held[first:stop])):
+                        break
+                elif not _same_tensors(given, held):
+                    break
+            else:
                 return bound
         geometry = self._check_device_pool(device_pool)
-        pairs = tuple(tensor_pair(host, list(device), self.layout, self.page_size, tokens)
+        given = [list(getattr(device_pool, name)) for name in self.kind.buffers]
+        pairs = tuple(tensor_pair(host, device, self.layout, self.page_size, tokens)
                       for host, device, tokens in zip(self.buffers, given, self._memory.registration_tokens))
-        self._binding = Binding(device_pool, geometry, pairs)
+        self._binding = Binding(device_pool, geometry, pairs, tuple(zip(self.kind.buffers, given)))
         return self._binding
 
     # -- checks ----------------------------------------------------------------------------
@@ -292,23 +295,6 @@ class AsymmetricHostPool(HostPool):
 def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
     # type() first: isinstance against the Sequence ABC costs a microsecond a call.
     return (type(given) in (list, tuple) or isinstance(given, Sequence)) and len(given) == len(bound) and all(map(operator.is_, given, bound))
-
-
-def _host_tokens(ratio: Any, host_size_gb: Any, device_tokens: int, token_bytes: int, buffers: str) -> int:
-    """Host tokens from host_size_gb when it is > 0, else from the ratio to the device pool."""
-    for name, value in (("host_to_device_ratio", ratio), ("host_size_gb", host_size_gb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
-            raise ValueError(f"{name}: expected a finite number, got {value!r}")
-    if host_size_gb < 0:
-        raise ValueError(f"host_size_gb: expected >= 0 (0: size from host_to_device_ratio), got {host_size_gb}")
-    if host_size_gb > 0:
-        tokens = int(host_size_gb * 1e9 // token_bytes)
-        if tokens < 1:
-            raise ValueError(f"host_size_gb: {host_size_gb} GB holds no token of {token_bytes} bytes ({buffers}, all layers)")
-        return tokens
-    if ratio <= 0:
-        raise ValueError(f"host_to_device_ratio: expected > 0 (or host_size_gb > 0), got {ratio}")
-    return int(math.ceil(ratio * device_tokens))
 
 
 __all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool", "HostPool"]

@@ -86,6 +86,8 @@ def test_an_engines_own_pool_is_taken_as_it_is(backend, gen):
         pk.MLAHostPool(pk.DeviceKVPool(1, 32, P, 1, 8, 8))
     with pytest.raises(TypeError, match="device_pool: expected k_buffer and v_buffer"):
         pk.AsymmetricHostPool(engine)
+    with pytest.raises(ValueError, match=r"qk_rope_head_dim: expected an int in \[0, 40\)"):
+        pk.MLAHostPool(SimpleNamespace(kv_buffer=rows, page_size=P, qk_rope_head_dim=64))
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)

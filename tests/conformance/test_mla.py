@@ -14,7 +14,8 @@ from kvspec import bits, page_tokens, randomize
 import portable_kv as pk
 
 P, L = 4, 3
-FP8 = [torch.uint8] + ([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
+# Beside bf16 and fp16 (the rest of the suite): fp32, and fp8 stored as bytes, as SGLang keeps it.
+WIDTHS = [torch.float32, torch.uint8] + ([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
 
 
 def test_the_device_pool_is_sglangs_shape(backend):
@@ -90,10 +91,10 @@ def test_an_engines_own_pool_is_taken_as_it_is(backend, gen):
         pk.MLAHostPool(SimpleNamespace(kv_buffer=rows, page_size=P, qk_rope_head_dim=64))
 
 
-@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("dtype", WIDTHS, ids=str)
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_fp8_caches_stored_as_bytes_roundtrip(backend, layout, dtype, gen):
-    """SGLang keeps an fp8 MLA cache as uint8 (a DSA row packs its scales: 656 bytes)."""
+def test_fp32_and_fp8_caches_roundtrip(backend, layout, dtype, gen):
+    """fp32 rows, and fp8 as SGLang keeps it: uint8 elements (a DSA row packs its scales: 656 of them)."""
     dev = pk.MLADevicePool(L, 32, P, 656, dtype, kv_lora_rank=512, qk_rope_head_dim=64)
     host = pk.MLAHostPool(dev, layout=layout, io_backend=backend.io_backends[0])
     for t in dev.kv_buffer:
@@ -104,4 +105,4 @@ def test_fp8_caches_stored_as_bytes_roundtrip(backend, layout, dtype, gen):
     host.load_to_device_all_layer(dev, slots, dst.to(dev.device))
     backend.synchronize()
     assert all(torch.equal(bits(t[dst]), want) for t, want in zip(dev.kv_buffer, expected))
-    assert host.token_stride_size == 656 and host.get_data_page(9 * P).dtype == dtype
+    assert host.token_stride_size == 656 * dtype.itemsize and host.get_data_page(9 * P).dtype == dtype

@@ -1,4 +1,4 @@
-"""portable_kv: the host tier of a KV cache for asymmetric K/V, on NVIDIA and AMD alike.
+"""portable_kv: the host tier of a KV cache for asymmetric K/V and MLA, on NVIDIA and AMD alike.
 
 Attributes load on first use (PEP 562), so `portable-kv --help` and
 `portable-kv --version` start without importing torch; the backend is
@@ -16,6 +16,8 @@ _LAZY = {
     "AsymmetricHostPool": ("portable_kv.pool", "AsymmetricHostPool"),
     "DeviceKVPool": ("portable_kv.device_pool", "DeviceKVPool"),
     "LAYOUTS": ("portable_kv.layout", "LAYOUTS"),
+    "MLADevicePool": ("portable_kv.device_pool", "MLADevicePool"),
+    "MLAHostPool": ("portable_kv.mla", "MLAHostPool"),
     "backends": ("portable_kv.backends", None),
     "storage": ("portable_kv.storage", None),
     "sglang": ("portable_kv.sglang", None),
@@ -23,8 +25,9 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from . import backends, sglang, storage
-    from .device_pool import DeviceKVPool
+    from .device_pool import DeviceKVPool, MLADevicePool
     from .layout import LAYOUTS
+    from .mla import MLAHostPool
     from .pool import AsymmetricHostPool
 
 
@@ -43,4 +46,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool", "backends", "storage", "sglang", "__version__"]
+__all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool", "MLADevicePool", "MLAHostPool", "backends", "storage", "sglang", "__version__"]

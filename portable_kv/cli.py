@@ -124,7 +124,7 @@ def cmd_check(_: argparse.Namespace) -> int:
     from .check import run_check, storage_check, table
 
     backend = backends.current()
-    print(f"split K/V roundtrip on backend {backend.name} ({backend.vendor}, {backend.device})")
+    print(f"split K/V and MLA latent roundtrips on backend {backend.name} ({backend.vendor}, {backend.device})")
     results = run_check() + storage_check()
     print("\n".join(table(results)))
     failed = sum(not r.passed for r in results)
@@ -173,7 +173,7 @@ def parser() -> argparse.ArgumentParser:
         return cmd
 
     command("info", cmd_info, "every backend and whether it can run here (and why not), the device, compilers, settings")
-    command("check", cmd_check, "split K/V roundtrip for every layout x io backend on the bound backend: PASS/FAIL, exit 1 on a FAIL")
+    command("check", cmd_check, "split K/V and MLA latent roundtrips for every layout x io backend on the bound backend: PASS/FAIL, exit 1 on a FAIL")
     bench_arguments(command("bench", cmd_bench, "bandwidth of loads and backups against the link's ceiling, beside the engines' own paths"))
     build = command("build", cmd_build, "compile the kernels ahead of time (nvcc, or clang for HIP); the loader prefers these code objects")
     build.add_argument("--vendor", choices=("cuda", "rocm"), required=True, help="cuda: nvcc cubins; rocm: clang (or hipcc) code objects")

@@ -1,9 +1,16 @@
-"""The device side: an engine's per-layer K and V buffers, and their checked geometry."""
+"""The device side: an engine's per-layer buffers, and their checked geometry.
+
+Two kinds of pool, as SGLang keeps them: MHA pools hold K and V per layer
+(`k_buffer`, `v_buffer`), MLA pools one latent buffer per layer (`kv_buffer`:
+the compressed KV and the rotary key, one "head").  A kind names the buffers;
+everything below the pools (the copy kernels, the planners, the pages) moves
+whichever buffers a pool has, each one strided gather.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -12,8 +19,22 @@ from . import backends
 from .cache import IdentityCache
 
 
+class PoolKind(NamedTuple):
+    """What a pool's per-layer buffers are."""
+
+    name: str
+    buffers: tuple[str, ...]  # attribute names, the same on a device pool and its host pool (SGLang's)
+    labels: tuple[str, ...]  # what errors call each buffer
+
+
+MHA = PoolKind("MHA", ("k_buffer", "v_buffer"), ("K", "V"))
+MLA = PoolKind("MLA", ("kv_buffer",), ("latent",))
+
+
 class DeviceKVPool:
     """Per-layer K and V buffers on the device: (tokens, heads, head_dim) each."""
+
+    kind = MHA
 
     def __init__(
         self,
@@ -27,53 +48,111 @@ class DeviceKVPool:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_tokens", num_tokens),
-            ("page_size", page_size),
-            ("k_heads", k_heads),
-            ("k_head_dim", k_head_dim),
-            ("v_head_dim", v_head_dim),
-        ):
+        for name, value in (("k_heads", k_heads), ("k_head_dim", k_head_dim), ("v_head_dim", v_head_dim)):
             positive_int(name, value)
         v_heads = k_heads if v_heads is None else positive_int("v_heads", v_heads)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
-        # Refused here, not first when a host pool is made from it: no buffer is allocated.
-        backends.current().check_dtype(dtype)
-        if num_tokens % page_size:
-            raise ValueError(f"num_tokens: expected a multiple of page_size={page_size}, got {num_tokens}")
-        device = torch.device(device) if device is not None else backends.current().device
+        device = _check_pool(num_layers, num_tokens, page_size, dtype, device)
         self.k_buffer = [torch.zeros(num_tokens, k_heads, k_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(num_tokens, v_heads, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_size = page_size
-        self._describe()
+        _describe(self)
 
     @classmethod
     def from_buffers(cls, k_buffer: Sequence[torch.Tensor], v_buffer: Sequence[torch.Tensor], page_size: int) -> DeviceKVPool:
         """Wrap an engine's per-layer buffers; never copies."""
         pool = cls.__new__(cls)
         pool.k_buffer, pool.v_buffer = list(k_buffer), list(v_buffer)
-        pool.page_size = positive_int("page_size", page_size)
-        pool._describe()
-        backends.current().check_dtype(pool.dtype)
+        return _wrapped(pool, page_size)
+
+
+class MLADevicePool:
+    """Per-layer latent buffers on the device: (tokens, 1, kv_cache_dim) each, as SGLang's MLATokenToKVPool.
+
+    `kv_cache_dim` is `kv_lora_rank + qk_rope_head_dim` (DeepSeek-V3: 512 + 64);
+    fp8 caches are stored as uint8 (or float8_e4m3fn) elements."""
+
+    kind = MLA
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_tokens: int,
+        page_size: int,
+        kv_cache_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+        *,
+        kv_lora_rank: int | None = None,
+        qk_rope_head_dim: int = 0,
+    ) -> None:
+        positive_int("kv_cache_dim", kv_cache_dim)
+        self.kv_lora_rank, self.qk_rope_head_dim = latent_split(kv_cache_dim, kv_lora_rank, qk_rope_head_dim)
+        device = _check_pool(num_layers, num_tokens, page_size, dtype, device)
+        self.kv_buffer = [torch.zeros(num_tokens, 1, kv_cache_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.page_size = page_size
+        _describe(self)
+        self.kv_cache_dim = kv_cache_dim
+
+    @classmethod
+    def from_buffers(cls, kv_buffer: Sequence[torch.Tensor], page_size: int, *, kv_lora_rank: int | None = None,
+                     qk_rope_head_dim: int = 0) -> MLADevicePool:
+        """Wrap an engine's per-layer latent buffers; never copies."""
+        pool = cls.__new__(cls)
+        pool.kv_buffer = list(kv_buffer)
+        _wrapped(pool, page_size)
+        pool.kv_cache_dim = int(pool.kv_buffer[0].shape[2])
+        pool.kv_lora_rank, pool.qk_rope_head_dim = latent_split(pool.kv_cache_dim, kv_lora_rank, qk_rope_head_dim)
         return pool
 
-    def _describe(self) -> None:
-        geometry = device_geometry(self)
-        self.layer_num, self.size = geometry.layers, geometry.tokens
-        self.dtype, self.device = geometry.dtype, geometry.device
+
+def latent_split(kv_cache_dim: int, kv_lora_rank: int | None, qk_rope_head_dim: int) -> tuple[int, int]:
+    """(kv_lora_rank, qk_rope_head_dim) of a latent row; the rank defaults to the rest of the row."""
+    if isinstance(qk_rope_head_dim, bool) or not isinstance(qk_rope_head_dim, (int, np.integer)) or not 0 <= qk_rope_head_dim < kv_cache_dim:
+        raise ValueError(f"qk_rope_head_dim: expected an int in [0, {kv_cache_dim}) (kv_cache_dim {kv_cache_dim}), got {qk_rope_head_dim!r}")
+    if kv_lora_rank is None:
+        return kv_cache_dim - int(qk_rope_head_dim), int(qk_rope_head_dim)
+    # fp8 caches that pack scales into the row (SGLang's DSA) are wider than rank + rope.
+    if positive_int("kv_lora_rank", kv_lora_rank) + qk_rope_head_dim > kv_cache_dim:
+        raise ValueError(f"kv_lora_rank: expected kv_lora_rank + qk_rope_head_dim <= kv_cache_dim {kv_cache_dim}, got {kv_lora_rank} + {qk_rope_head_dim}")
+    return int(kv_lora_rank), int(qk_rope_head_dim)
+
+
+def _check_pool(num_layers: int, num_tokens: int, page_size: int, dtype: torch.dtype, device: torch.device | str | None) -> torch.device:
+    for name, value in (("num_layers", num_layers), ("num_tokens", num_tokens), ("page_size", page_size)):
+        positive_int(name, value)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, got {dtype!r}")
+    # Refused here, not first when a host pool is made from it: no buffer is allocated.
+    backends.current().check_dtype(dtype)
+    if num_tokens % page_size:
+        raise ValueError(f"num_tokens: expected a multiple of page_size={page_size}, got {num_tokens}")
+    return torch.device(device) if device is not None else backends.current().device
+
+
+def _wrapped(pool: Any, page_size: int) -> Any:
+    pool.page_size = positive_int("page_size", page_size)
+    _describe(pool)
+    backends.current().check_dtype(pool.dtype)
+    return pool
+
+
+def _describe(pool: Any) -> None:
+    geometry = device_geometry(pool, pool.kind)
+    pool.layer_num, pool.size = geometry.layers, geometry.tokens
+    pool.dtype, pool.device = geometry.dtype, geometry.device
 
 
 class DeviceGeometry:
-    """What a (possibly duck-typed) device pool looks like, checked once."""
+    """What a (possibly duck-typed) device pool of one kind looks like, checked once."""
 
-    def __init__(self, pool: Any) -> None:
-        k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
-        if not isinstance(k, Sequence) or not isinstance(v, Sequence) or not k or len(k) != len(v):
-            raise TypeError("device_pool: expected k_buffer and v_buffer, equal-length lists of per-layer tensors")
-        first_k, first_v = k[0], v[0]
-        for side, buffers, first in (("k_buffer", k, first_k), ("v_buffer", v, first_v)):
+    def __init__(self, pool: Any, kind: PoolKind) -> None:
+        lists = [getattr(pool, name, None) for name in kind.buffers]
+        if not all(isinstance(b, Sequence) and b for b in lists) or len({len(b) for b in lists}) != 1:
+            names = " and ".join(kind.buffers)
+            raise TypeError(f"device_pool: expected {names}, {'equal-length lists' if len(lists) > 1 else 'a list'} of per-layer tensors"
+                            f"{' (an MLA pool)' if kind is MLA else ''}")
+        firsts = [b[0] for b in lists]
+        for side, buffers, first in zip(kind.buffers, lists, firsts):
             for layer, t in enumerate(buffers):
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"device_pool.{side}[{layer}]: expected a torch.Tensor, got {type(t).__name__}")
@@ -84,23 +163,34 @@ class DeviceGeometry:
                     )
                 if not t.is_contiguous():
                     raise ValueError(f"device_pool.{side}[{layer}]: expected a contiguous (tokens, heads, head_dim) tensor")
-        if first_k.shape[0] != first_v.shape[0] or first_k.dtype != first_v.dtype or first_k.device != first_v.device:
-            raise ValueError("device_pool: k_buffer and v_buffer must agree in tokens, dtype and device")
-        self.layers, self.tokens = len(k), int(first_k.shape[0])
-        self.k_heads, self.k_dim = int(first_k.shape[1]), int(first_k.shape[2])
-        self.v_heads, self.v_dim = int(first_v.shape[1]), int(first_v.shape[2])
-        self.dtype, self.device = first_k.dtype, first_k.device
+        if kind is MLA and firsts[0].shape[1] != 1:
+            raise ValueError(f"device_pool.kv_buffer: expected (tokens, 1, kv_cache_dim) tensors (MLA keeps one head), got {tuple(firsts[0].shape)}")
+        first = firsts[0]
+        if any(t.shape[0] != first.shape[0] or t.dtype != first.dtype or t.device != first.device for t in firsts[1:]):
+            raise ValueError(f"device_pool: {' and '.join(kind.buffers)} must agree in tokens, dtype and device")
+        self.kind = kind
+        self.layers, self.tokens = len(lists[0]), int(first.shape[0])
+        self.shapes = tuple((int(t.shape[1]), int(t.shape[2])) for t in firsts)  # (heads, head_dim) per buffer
+        self.dtype, self.device = first.dtype, first.device
+
+    @property
+    def token_elements(self) -> int:
+        """Elements of one token of one layer, every buffer."""
+        return sum(heads * dim for heads, dim in self.shapes)
+
+    def describe(self) -> str:
+        return ", ".join([f"{self.layers} layers", *(f"{label} {h}x{d}" for label, (h, d) in zip(self.kind.labels, self.shapes))])
 
 
 # Checked once per set of per-layer tensors: an engine that swaps a buffer gets it re-checked.
 _geometry_cache: IdentityCache[DeviceGeometry] = IdentityCache(64)
 
 
-def device_geometry(pool: Any) -> DeviceGeometry:
-    k, v = getattr(pool, "k_buffer", None), getattr(pool, "v_buffer", None)
-    if not isinstance(k, Sequence) or not isinstance(v, Sequence):
-        return DeviceGeometry(pool)  # raises the error that names what is missing
-    return _geometry_cache.get([*k, *v], lambda: DeviceGeometry(pool))
+def device_geometry(pool: Any, kind: PoolKind = MHA) -> DeviceGeometry:
+    lists = [getattr(pool, name, None) for name in kind.buffers]
+    if not all(isinstance(b, Sequence) for b in lists):
+        return DeviceGeometry(pool, kind)  # raises the error that names what is missing
+    return _geometry_cache.get([t for b in lists for t in b], lambda: DeviceGeometry(pool, kind), key=kind.name)
 
 
 def positive_int(name: str, value: Any) -> int:

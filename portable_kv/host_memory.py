@@ -1,4 +1,4 @@
-"""The page-locked host memory behind one host pool's K and V buffers.
+"""The page-locked host memory behind one host pool's buffers (K and V, or MLA's latent), and its size in tokens.
 
 Two kinds:
 - `pinned`: page-locked allocations from torch (cudaHostAlloc / hipHostMalloc);
@@ -22,7 +22,9 @@ import math
 import mmap
 import weakref
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from . import config
@@ -44,6 +46,23 @@ def check_available(nbytes: int) -> None:
         )
 
 
+def host_tokens(ratio: Any, host_size_gb: Any, device_tokens: int, token_bytes: int, buffers: str) -> int:
+    """Host tokens from host_size_gb when it is > 0, else from the ratio to the device pool."""
+    for name, value in (("host_to_device_ratio", ratio), ("host_size_gb", host_size_gb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+            raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    if host_size_gb < 0:
+        raise ValueError(f"host_size_gb: expected >= 0 (0: size from host_to_device_ratio), got {host_size_gb}")
+    if host_size_gb > 0:
+        tokens = int(host_size_gb * 1e9 // token_bytes)
+        if tokens < 1:
+            raise ValueError(f"host_size_gb: {host_size_gb} GB holds no token of {token_bytes} bytes ({buffers}, all layers)")
+        return tokens
+    if ratio <= 0:
+        raise ValueError(f"host_to_device_ratio: expected > 0 (or host_size_gb > 0), got {ratio}")
+    return int(math.ceil(ratio * device_tokens))
+
+
 class _Registrations:
     """Registered pieces of one mapping; unregistered once, then the mapping may go."""
 
@@ -61,29 +80,30 @@ class _Registrations:
 
 
 class HostMemory:
-    """K and V host buffers of the given shapes, of one kind, on one NUMA node."""
+    """Host buffers of the given shapes (K and V, or one latent buffer), of one kind, on one NUMA node."""
 
-    def __init__(self, backend: Backend, kind: str, shapes: tuple[tuple[int, ...], tuple[int, ...]], dtype: torch.dtype,
+    def __init__(self, backend: Backend, kind: str, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype,
                  page_num: int, page_size: int, pin: bool, numa_node: int | None) -> None:
         if kind not in HOST_MEMORY:
             raise ValueError(f"host_memory: expected one of {', '.join(HOST_MEMORY)}, got {kind!r}")
         self.kind, self.backend, self.dtype = kind, backend, dtype
         self.page_num, self.page_size = page_num, page_size
-        # K's and V's: > 0, registered in pieces of this many tokens (K and V pages differ in
-        # size, so their 1 GiB pieces hold different page counts)
-        self.registration_tokens = (0, 0)
+        # One per buffer: > 0, registered in pieces of this many tokens (K and V pages differ
+        # in size, so their 1 GiB pieces hold different page counts)
+        self.registration_tokens = (0,) * len(shapes)
         self.device_addresses_differ = False  # the GPU maps registered memory at another address (kernel io cannot use it)
         self._finalizers: list[weakref.finalize] = []
         with bind_allocations(numa_node):
             if kind == "registered":
-                (self.k, k_tokens), (self.v, v_tokens) = self._registered(shapes[0]), self._registered(shapes[1])
-                self.registration_tokens = (k_tokens, v_tokens)
+                registered = [self._registered(shape) for shape in shapes]
+                self.buffers: tuple[torch.Tensor, ...] = tuple(buffer for buffer, _ in registered)
+                self.registration_tokens = tuple(tokens for _, tokens in registered)
             else:
                 if numa_node is not None and pin:
                     # torch's pinned allocator reuses freed blocks (rounded up to powers of two),
                     # wherever they were placed: empty its cache so the pages are fresh.
                     release_cached_host_memory()
-                self.k, self.v = self._pinned(shapes[0], pin), self._pinned(shapes[1], pin)
+                self.buffers = tuple(self._pinned(shape, pin) for shape in shapes)
 
     def _pinned(self, shape: tuple[int, ...], pin: bool) -> torch.Tensor:
         try:
@@ -128,13 +148,13 @@ class HostMemory:
         return buffer, pages_per_piece * self.page_size
 
     def release(self) -> None:
-        """Unregister now (after in-flight transfers) and let go of K and V: the memory goes
+        """Unregister now (after in-flight transfers) and let go of the buffers: the memory goes
         back to its allocator when the last tensor viewing it does, even while the pool
         object that owned this lives on (engines keep it referenced after `close()`)."""
         for finalizer in self._finalizers:
             finalizer()
         self._finalizers = []
-        self.k = self.v = None
+        self.buffers = ()
 
 
 def _available_host_memory() -> int | None:

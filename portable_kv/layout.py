@@ -23,9 +23,9 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 PAGE_LAYOUTS = ("page_first_direct", "page_head")
 
 
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+def check_layout(layout: str, layouts: tuple[str, ...] = LAYOUTS) -> str:
+    if layout not in layouts:
+        raise ValueError(f"layout: expected one of {', '.join(layouts)}, got {layout!r}")
     return layout
 
 

@@ -1,13 +1,14 @@
 """Page access for storage tiers (L3): flat pages, views, zero-copy page addresses.
 
-A mixin of AsymmetricHostPool.  It relies on the pool's `k_buffer`, `v_buffer`,
-`layout`, `page_size`, `size`, `page_num`, `layer_num`, `dtype`, `_geometry`
-(k_heads, k_dim, v_heads, v_dim) and `_check_open()`.
+A mixin of the host pools.  It relies on the pool's `buffers` (K and V, or
+MLA's latent), `layout`, `page_size`, `size`, `page_num`, `layer_num`, `dtype`,
+`_geometry` and `_check_open()`.
 
-Byte order and addresses are SGLang 0.5.23's MHA host pool's
-(`pool_host/mha.py`), layout by layout, so a page that either pool put in a
-shared L3 tier reads back correctly in the other: a flat page is the K block
-then the V block, each in the layout's own memory order.
+Byte order and addresses are SGLang 0.5.23's host pools' (`pool_host/mha.py`,
+`pool_host/mla.py`), layout by layout, so a page that either side put in a
+shared L3 tier reads back correctly in the other: a flat page is each buffer's
+block in turn (K then V; MLA's one latent block), each in the layout's own
+memory order.
 """
 
 from __future__ import annotations
@@ -37,29 +38,30 @@ class PageAccess:
             raise ValueError(f"{name}: expected the first token of a page (a multiple of {self.page_size} in [0, {self.size})), got {index}")
         return int(index) // self.page_size
 
-    def _page_views(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The page's K and V as views, in the layout's own order (SGLang's `get_data_page(flat=False)`)."""
+    def _page_views(self, page: int) -> tuple[torch.Tensor, ...]:
+        """The page of each buffer as a view, in the layout's own order (SGLang's `get_data_page(flat=False)`)."""
         first = page * self.page_size
         if self.layout == "layer_first":
-            return self.k_buffer[:, first : first + self.page_size], self.v_buffer[:, first : first + self.page_size]
+            return tuple(b[:, first : first + self.page_size] for b in self.buffers)
         if self.layout == "page_first":
-            return self.k_buffer[first : first + self.page_size], self.v_buffer[first : first + self.page_size]
-        return self.k_buffer[page : page + 1], self.v_buffer[page : page + 1]
+            return tuple(b[first : first + self.page_size] for b in self.buffers)
+        return tuple(b[page : page + 1] for b in self.buffers)
 
-    def get_data_page(self, index: int | torch.Tensor | np.integer, flat: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def get_data_page(self, index: int | torch.Tensor | np.integer, flat: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The page whose first token is `index`.
 
-        `flat=True`: a copy, one 1-D tensor, K block then V block in the layout's
-        order.  `flat=False`: `(k, v)` views into host memory (a storage tier
-        reads straight into them): `k_buffer[:, i:i+P]` (layer_first),
-        `k_buffer[i:i+P]` (page_first), `k_buffer[p:p+1]` (page_first_direct,
-        page_head).
+        `flat=True`: a copy, one 1-D tensor, each buffer's block in turn in the
+        layout's order.  `flat=False`: views into host memory (a storage tier
+        reads straight into them), `(k, v)` of an MHA pool and the one latent
+        view of an MLA pool, as SGLang's pools return them: `buffer[:, i:i+P]`
+        (layer_first), `buffer[i:i+P]` (page_first), `buffer[p:p+1]`
+        (page_first_direct, page_head).
         """
         self._check_open()
-        k, v = self._page_views(self._page("index", index))
+        views = self._page_views(self._page("index", index))
         if not flat:
-            return k, v
-        return torch.cat((k.reshape(-1), v.reshape(-1)))
+            return views if len(views) > 1 else views[0]
+        return torch.cat([view.reshape(-1) for view in views])
 
     def set_from_flat_data_page(self, index: int | torch.Tensor | np.integer, data_page: torch.Tensor) -> None:
         """Write a flat page (as `get_data_page(index)` returns it) to the page whose first token is `index`."""
@@ -72,16 +74,16 @@ class PageAccess:
             raise TypeError(f"data_page: expected dtype {self.dtype}, got {data_page.dtype}")
         if data_page.dim() != 1 or data_page.numel() != expected:
             raise ValueError(f"data_page: expected a 1-D tensor of {expected} elements, got shape {tuple(data_page.shape)}")
-        k, v = self._page_views(page)
         data_page = data_page.cpu()
-        k.copy_(data_page[: k.numel()].view(k.shape))
-        v.copy_(data_page[k.numel() :].view(v.shape))
+        start = 0
+        for view in self._page_views(page):
+            view.copy_(data_page[start : start + view.numel()].view(view.shape))
+            start += view.numel()
 
     @property
     def flat_page_numel(self) -> int:
-        """Elements of one flat page (K and V, all layers)."""
-        g = self._geometry
-        return self.layer_num * self.page_size * (g.k_heads * g.k_dim + g.v_heads * g.v_dim)
+        """Elements of one flat page (every buffer, all layers)."""
+        return self.layer_num * self.page_size * self._geometry.token_elements
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         """Zeros of one flat page's size and dtype: a buffer a storage tier reads a page into."""
@@ -119,22 +121,22 @@ class PageAccess:
 
         `indices` are all token slots of the pages (a 1-D integer tensor on any
         device, or a list of ints), as SGLang's storage backends pass them.
-        page_first, page_first_direct, page_head: ``[k0, v0, k1, v1, ...]``, each
-        a page's contiguous K (V) block.  layer_first: for each page and each
-        layer ``[k, v]``, one layer's page each.
+        page_first, page_first_direct, page_head: for each page its contiguous
+        block of each buffer, ``[k0, v0, k1, v1, ...]`` (MLA: ``[kv0, kv1,
+        ...]``).  layer_first: for each page and each layer ``[k, v]`` (MLA:
+        ``[kv]``), one layer's page each.
         """
         self._check_open()
         pages = self._first_pages(indices)
-        k, v = host_strides(self.k_buffer, self.layout, self.page_size), host_strides(self.v_buffer, self.layout, self.page_size)
-        k_base, v_base = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()
+        buffers = [(b.data_ptr(), host_strides(b, self.layout, self.page_size)) for b in self.buffers]
         # A page-major layout's page stride is its page's size; in layer_first it
         # is one layer's page (layers are `layer` bytes apart).
         layers = [0] if self.layout in PAGE_MAJOR_LAYOUTS else range(self.layer_num)
         ptrs, sizes = [], []
         for page in pages:
             for layer in layers:
-                ptrs += [k_base + page * k.page + layer * k.layer, v_base + page * v.page + layer * v.layer]
-                sizes += [k.page, v.page]
+                ptrs += [base + page * s.page + layer * s.layer for base, s in buffers]
+                sizes += [s.page for _, s in buffers]
         return ptrs, sizes
 
     def get_split_heads_page_buffer_meta(self, indices: torch.Tensor | Sequence[int], split_factor: int) -> tuple[list[int], list[int]]:
@@ -146,30 +148,29 @@ class PageAccess:
         self._check_open()
         if self.layout != "page_head":
             raise ValueError(f"get_split_heads_page_buffer_meta: needs layout 'page_head' (heads outermost in a page), this pool is {self.layout!r}")
-        g = self._geometry
+        heads = [heads for heads, _ in self._geometry.shapes]
         if isinstance(split_factor, bool) or not isinstance(split_factor, (int, np.integer)) or split_factor <= 0 \
-                or g.k_heads % split_factor or g.v_heads % split_factor:
-            raise ValueError(f"split_factor: expected a positive divisor of the head counts (K {g.k_heads}, V {g.v_heads}), got {split_factor!r}")
+                or any(h % split_factor for h in heads):
+            counts = ", ".join(f"{label} {h}" for label, h in zip(self._geometry.kind.labels, heads))
+            raise ValueError(f"split_factor: expected a positive divisor of the head counts ({counts}), got {split_factor!r}")
         split_factor = int(split_factor)
         pages = self._first_pages(indices)
-        k, v = host_strides(self.k_buffer, self.layout, self.page_size), host_strides(self.v_buffer, self.layout, self.page_size)
-        k_base, v_base = self.k_buffer.data_ptr(), self.v_buffer.data_ptr()
-        k_group, v_group = g.k_heads // split_factor, g.v_heads // split_factor
+        buffers = [(b.data_ptr(), host_strides(b, self.layout, self.page_size), h // split_factor) for b, h in zip(self.buffers, heads)]
         ptrs, sizes = [], []
         for page in pages:
             for group in range(split_factor):
-                ptrs += [k_base + page * k.page + group * k_group * k.head, v_base + page * v.page + group * v_group * v.head]
-                sizes += [k.page // split_factor, v.page // split_factor]
+                ptrs += [base + page * s.page + group * per_group * s.head for base, s, per_group in buffers]
+                sizes += [s.page // split_factor for _, s, _ in buffers]
         return ptrs, sizes
 
     def get_page_buffer_element_size(self, split_factor: int = 1) -> int:
-        """Bytes of the first element `get_page_buffer_meta` (or the split variant) gives for a page: its K block."""
+        """Bytes of the first element `get_page_buffer_meta` (or the split variant) gives for a page: its first buffer's block."""
         first_page = list(range(self.page_size))
         meta = self.get_page_buffer_meta(first_page) if split_factor == 1 else self.get_split_heads_page_buffer_meta(first_page, split_factor)
         return meta[1][0]
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        """Whether every page's K and V start on a `page_size_bytes` boundary (O_DIRECT file I/O needs it).
+        """Whether every page of every buffer starts on a `page_size_bytes` boundary (O_DIRECT file I/O needs it).
 
         False for layer_first, whose page is not one block.
         """
@@ -179,15 +180,10 @@ class PageAccess:
             return False
         return all(
             buffer.data_ptr() % page_size_bytes == 0 and host_strides(buffer, self.layout, self.page_size).page % page_size_bytes == 0
-            for buffer in (self.k_buffer, self.v_buffer)
+            for buffer in self.buffers
         )
 
-    @property
-    def kv_buffer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(k_buffer, v_buffer)``, as SGLang's asymmetric pool has it; None once closed."""
-        return None if self.k_buffer is None else (self.k_buffer, self.v_buffer)
-
     def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
-        """The host tensors a storage tier registers for zero-copy I/O: ``[k_buffer, v_buffer]``."""
+        """The host tensors a storage tier registers for zero-copy I/O: ``[k_buffer, v_buffer]`` (MLA: ``[kv_buffer]``)."""
         self._check_open()
-        return [self.k_buffer, self.v_buffer]
+        return list(self.buffers)

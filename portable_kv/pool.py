@@ -1,15 +1,16 @@
-"""AsymmetricHostPool (docs/API.md): a host pool's construction, checks and transfers.
+"""Host pools (docs/API.md): construction, checks and transfers, for either kind of pool.
 
-A transfer call checks everything before a byte moves (the device pool's
-geometry, the layer, the indices: validation.py), then hands one `Transfer`
-to the pool's mover for that io path, resolved once per pool from the bound
-backend.  The memory lives in host_memory.py; page access for storage tiers
-in pages.py; the SGLang host-pool surface in sglang_surface.py.
+`HostPool` is the machinery; `AsymmetricHostPool` holds an MHA pool's K and V,
+`MLAHostPool` (mla.py) an MLA pool's latent buffer.  A transfer call checks
+everything before a byte moves (the device pool's geometry, the layer, the
+indices: validation.py), then hands one `Transfer`, one tensor pair per
+buffer, to the pool's mover for that io path, resolved once per pool from the
+bound backend.  The memory lives in host_memory.py; page access for storage
+tiers in pages.py; the SGLang host-pool surface in sglang_surface.py.
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -19,8 +20,8 @@ import torch
 
 from . import backends
 from .backends.base import Backend
-from .device_pool import DeviceGeometry, DeviceKVPool, device_geometry, positive_int
-from .host_memory import HOST_MEMORY, HostMemory, check_available
+from .device_pool import MHA, DeviceGeometry, DeviceKVPool, PoolKind, device_geometry, positive_int
+from .host_memory import HOST_MEMORY, HostMemory, check_available, host_tokens
 from .io.mover import IO_PATHS, Mover
 from .layout import LAYOUTS, check_layout, host_shape
 from .numa import Placement, placement
@@ -37,15 +38,22 @@ SM_READS_HOST = ("kernel", "staged", "auto")
 
 
 class Binding(NamedTuple):
-    """The device pool an engine passes every call, checked once, with the K and V tensor pairs."""
+    """The device pool an engine passes every call, checked once, with a tensor pair per buffer."""
 
     device_pool: Any
     geometry: DeviceGeometry
-    pairs: tuple[TensorPair, TensorPair]
+    pairs: tuple[TensorPair, ...]
+    held: tuple[tuple[str, list[torch.Tensor]], ...]  # each buffer's name and the per-layer tensors the pairs hold
 
 
-class AsymmetricHostPool(PageAccess, SGLangSurface):
-    """The host tier: K and V pages in page-locked host memory, in one of four layouts."""
+class HostPool(PageAccess, SGLangSurface):
+    """The host tier of one kind of pool: its buffers' pages in page-locked host memory.
+
+    `kind` names the buffers (device_pool.py), which become attributes of the
+    same names here, each one host tensor in the layout's shape."""
+
+    kind: PoolKind
+    layouts: tuple[str, ...] = LAYOUTS  # the layouts this kind of pool offers
 
     def __init__(
         self,
@@ -60,16 +68,17 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         numa_node: int | str | None = None,
     ) -> None:
         self.backend: Backend = backends.current()
-        self.layout = check_layout(layout)
+        self.layout = self._check_layout(layout)
         self.io_backend = self._check_io(io_backend)
-        geometry = device_geometry(device_pool)
+        geometry = device_geometry(device_pool, self.kind)
         self._geometry = geometry
+        self._describe_rows(device_pool, geometry)
         self.page_size = positive_int("device_pool.page_size", getattr(device_pool, "page_size", 0))
         self.layer_num, self.dtype = geometry.layers, geometry.dtype
         self.backend.check_dtype(self.dtype)
         self.validate = bool(validate)
-        token_bytes = self.layer_num * (geometry.k_heads * geometry.k_dim + geometry.v_heads * geometry.v_dim) * self.dtype.itemsize
-        tokens = _host_tokens(host_to_device_ratio, host_size_gb, geometry.tokens, token_bytes)
+        token_bytes = self.layer_num * geometry.token_elements * self.dtype.itemsize
+        tokens = host_tokens(host_to_device_ratio, host_size_gb, geometry.tokens, token_bytes, "+".join(self.kind.labels))
         self.page_num = max(1, -(-tokens // self.page_size))
         self.size = self.page_num * self.page_size
         self.pin_memory = bool(pin_memory) and self.backend.pins_memory
@@ -78,8 +87,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._check_reads(self.io_backend)
         check_available(self.size * token_bytes)
         self.placement: Placement = placement(self.backend.device, numa_node)
-        shapes = tuple(host_shape(layout, self.layer_num, self.page_num, self.page_size, heads, dim)
-                       for heads, dim in ((geometry.k_heads, geometry.k_dim), (geometry.v_heads, geometry.v_dim)))
+        shapes = tuple(host_shape(layout, self.layer_num, self.page_num, self.page_size, heads, dim) for heads, dim in geometry.shapes)
         self._memory = HostMemory(self.backend, self.host_memory, shapes, self.dtype, self.page_num, self.page_size,
                                   self.pin_memory, self.placement.node)
         try:
@@ -87,7 +95,8 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         except ValueError:
             self._memory.release()
             raise
-        self.k_buffer, self.v_buffer = self._memory.k, self._memory.v
+        for name, buffer in zip(self.kind.buffers, self._memory.buffers):
+            setattr(self, name, buffer)
         self.closed = False
         self._validator = IndexValidator(self.size, self.page_size, self.layout, self.validate)
         self._binding: Binding | None = None
@@ -95,6 +104,17 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._host_writes = 0  # backups issued so far (Transfer.host_writes)
         self._mover(self.io_backend)
         self._init_allocator()
+
+    def _check_layout(self, layout: str) -> str:
+        return check_layout(layout, self.layouts)
+
+    def _describe_rows(self, device_pool: Any, geometry: DeviceGeometry) -> None:
+        """What a kind of pool reads and checks of its rows before any memory is allocated."""
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The host buffers in page order (K, V; or the latent); empty once closed."""
+        return () if self.closed else tuple(getattr(self, name) for name in self.kind.buffers)
 
     def _check_io(self, io_backend: str) -> str:
         if not isinstance(io_backend, str) or io_backend not in IO_PATHS:
@@ -133,7 +153,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
 
     def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
                                  io_backend: str | None = None, is_draft: bool = False) -> None:
-        """H2D, one layer: K and V of token `host_indices[i]` to slot `device_indices[i]` of layer `layer_id`.
+        """H2D, one layer: every buffer of token `host_indices[i]` to slot `device_indices[i]` of layer `layer_id`.
 
         Asynchronous on the current stream.  `is_draft` is SGLang's flag for a
         speculative draft model's layers; a host pool holds one model, so it
@@ -170,33 +190,31 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
             mover.move(Transfer(to_device, binding.pairs, indices, layers, self.page_size, self._host_writes))
 
     def _bind(self, device_pool: Any, layers: range) -> Binding:
-        """The device pool's checked geometry and K/V tensor pairs, kept for the pool an engine passes every call.
+        """The device pool's checked geometry and tensor pairs, kept for the pool an engine passes every call.
 
         The check is by identity of the per-layer tensors that the call moves:
         an engine that swaps a buffer gets it (and the whole pool) checked again
-        when that layer next moves.  A per-layer call checks two tensors, not
-        all of them: it is on the per-call host-time budget.
+        when that layer next moves.  A per-layer call checks one tensor per
+        buffer, not all of them: it is on the per-call host-time budget.
         """
-        k, v = getattr(device_pool, "k_buffer", None), getattr(device_pool, "v_buffer", None)
         bound = self._binding
         if bound is not None:
-            bk, bv = bound.pairs[0].device, bound.pairs[1].device
-            if bound.device_pool is device_pool and type(k) is list and type(v) is list and len(k) == len(bk) and len(v) == len(bv):
-                if len(layers) == 1:
-                    if k[layers.start] is bk[layers.start] and v[layers.start] is bv[layers.start]:
-                        return bound
-                elif all(map(operator.is_, k[layers.start:layers.stop], bk[layers.start:layers.stop])) and \
-                        all(map(operator.is_, v[layers.start:layers.stop], bv[layers.start:layers.stop])):
-                    return bound
-            elif _same_tensors(k, bk) and _same_tensors(v, bv):
+            first, stop = layers.start, layers.stop
+            same_pool, one = bound.device_pool is device_pool, stop - first == 1
+            for name, held in bound.held:
+                given = getattr(device_pool, name, None)
+                if same_pool and type(given) is list and len(given) == len(held):
+                    if (given[first] is not held[first]) if one else not all(map(operator.is_, given[first:stop], held[first:stop])):
+                        break
+                elif not _same_tensors(given, held):
+                    break
+            else:
                 return bound
         geometry = self._check_device_pool(device_pool)
-        k_tokens, v_tokens = self._memory.registration_tokens
-        pairs = (
-            tensor_pair(self.k_buffer, list(device_pool.k_buffer), self.layout, self.page_size, k_tokens),
-            tensor_pair(self.v_buffer, list(device_pool.v_buffer), self.layout, self.page_size, v_tokens),
-        )
-        self._binding = Binding(device_pool, geometry, pairs)
+        given = [list(getattr(device_pool, name)) for name in self.kind.buffers]
+        pairs = tuple(tensor_pair(host, device, self.layout, self.page_size, tokens)
+                      for host, device, tokens in zip(self.buffers, given, self._memory.registration_tokens))
+        self._binding = Binding(device_pool, geometry, pairs, tuple(zip(self.kind.buffers, given)))
         return self._binding
 
     # -- checks ----------------------------------------------------------------------------
@@ -213,13 +231,9 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         return range(int(layer_id), int(layer_id) + 1)
 
     def _check_device_pool(self, device_pool: Any) -> DeviceGeometry:
-        g, mine = device_geometry(device_pool), self._geometry
-        if (g.layers, g.k_heads, g.k_dim, g.v_heads, g.v_dim) != (mine.layers, mine.k_heads, mine.k_dim, mine.v_heads, mine.v_dim):
-            raise ValueError(
-                "device_pool: expected "
-                f"{mine.layers} layers, K {mine.k_heads}x{mine.k_dim}, V {mine.v_heads}x{mine.v_dim} (this host pool's), got "
-                f"{g.layers} layers, K {g.k_heads}x{g.k_dim}, V {g.v_heads}x{g.v_dim}"
-            )
+        g, mine = device_geometry(device_pool, self.kind), self._geometry
+        if (g.layers, g.shapes) != (mine.layers, mine.shapes):
+            raise ValueError(f"device_pool: expected {mine.describe()} (this host pool's), got {g.describe()}")
         if g.dtype != self.dtype:
             raise TypeError(f"device_pool: expected dtype {self.dtype} (this host pool's), got {g.dtype}")
         want = self.backend.device
@@ -234,7 +248,7 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         """Release the host memory, after every transfer already enqueued has finished.
 
         Registered memory is unregistered now; page-locked memory is freed when
-        the last tensor viewing it goes (a caller still holding `k_buffer` keeps
+        the last tensor viewing it goes (a caller still holding a buffer keeps
         it).  A pool dropped without `close()` cleans up the same way.
         """
         if self.closed:
@@ -245,11 +259,12 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
         self._movers.clear()
         self._memory.release()
         self.closed = True
-        self.k_buffer = self.v_buffer = None
+        for name in self.kind.buffers:
+            setattr(self, name, None)
         self._validator.clear()
         self._binding = None
 
-    def __enter__(self) -> AsymmetricHostPool:
+    def __enter__(self) -> HostPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -257,9 +272,24 @@ class AsymmetricHostPool(PageAccess, SGLangSurface):
 
     def __repr__(self) -> str:
         return (
-            f"AsymmetricHostPool(layout={self.layout!r}, io_backend={self.io_backend!r}, backend={self.backend.name!r}, "
+            f"{type(self).__name__}(layout={self.layout!r}, io_backend={self.io_backend!r}, backend={self.backend.name!r}, "
             f"tokens={self.size}, page_size={self.page_size}, layers={self.layer_num}, dtype={self.dtype})"
         )
+
+
+class AsymmetricHostPool(HostPool):
+    """The host tier of an MHA pool: K and V pages in page-locked host memory, in one of four layouts.
+
+    K and V are two tensors because they may differ in head_dim and head count (MiMo-V2: K 192, V 128)."""
+
+    kind = MHA
+    k_buffer: torch.Tensor | None
+    v_buffer: torch.Tensor | None
+
+    @property
+    def kv_buffer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k_buffer, v_buffer)``, as SGLang's asymmetric pool has it; None once closed."""
+        return None if self.k_buffer is None else (self.k_buffer, self.v_buffer)
 
 
 def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
@@ -267,21 +297,4 @@ def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
     return (type(given) in (list, tuple) or isinstance(given, Sequence)) and len(given) == len(bound) and all(map(operator.is_, given, bound))
 
 
-def _host_tokens(ratio: Any, host_size_gb: Any, device_tokens: int, token_bytes: int) -> int:
-    """Host tokens from host_size_gb when it is > 0, else from the ratio to the device pool."""
-    for name, value in (("host_to_device_ratio", ratio), ("host_size_gb", host_size_gb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
-            raise ValueError(f"{name}: expected a finite number, got {value!r}")
-    if host_size_gb < 0:
-        raise ValueError(f"host_size_gb: expected >= 0 (0: size from host_to_device_ratio), got {host_size_gb}")
-    if host_size_gb > 0:
-        tokens = int(host_size_gb * 1e9 // token_bytes)
-        if tokens < 1:
-            raise ValueError(f"host_size_gb: {host_size_gb} GB holds no token of {token_bytes} bytes (K+V, all layers)")
-        return tokens
-    if ratio <= 0:
-        raise ValueError(f"host_to_device_ratio: expected > 0 (or host_size_gb > 0), got {ratio}")
-    return int(math.ceil(ratio * device_tokens))
-
-
-__all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool"]
+__all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool", "HostPool"]

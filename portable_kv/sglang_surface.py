@@ -1,13 +1,15 @@
 """The host-pool surface SGLang 0.5.23's cache controller and storage backends use
 (docs/API.md, "The SGLang host-pool surface"): slot allocation, sizes, physical
-transfer entry points.  A mixin of AsymmetricHostPool.
+transfer entry points.  A mixin of the host pools; `MLASurface` adds what SGLang's
+MLA pool has beyond it.
 
-Semantics follow SGLang's `HostKVCache` (mem_cache/pool_host/base.py) and
-`MHATokenToKVPoolHost` (pool_host/mha.py): token slots, byte sizes over all
-layers, the same return types.  One deliberate difference: SGLang's MHA pool
-ignores the `device_pool` argument of its transfers and copies to the buffers
-it captured at construction; portable_kv moves the buffers of the pool it is
-given (docs/API.md's contract), checked once per pool by the identity of its
+Semantics follow SGLang's `HostKVCache` (mem_cache/pool_host/base.py),
+`MHATokenToKVPoolHost` (pool_host/mha.py) and `MLATokenToKVPoolHost`
+(pool_host/mla.py): token slots, byte sizes over all layers, the same return
+types.  One deliberate difference: SGLang's pools ignore the `device_pool`
+argument of their transfers and copy to the buffers they captured at
+construction; portable_kv moves the buffers of the pool it is given
+(docs/API.md's contract), checked once per pool by the identity of its
 tensors.  For SGLang's own device pools the two are the same tensors, and a
 relocated device pool is followed instead of written behind its back.
 """
@@ -25,7 +27,7 @@ class SGLangSurface:
     dcp_size = 1
     dcp_rank = 0
     # SGLang renames every storage key after a pool's tag; none keeps pages
-    # shared with SGLang's own MHA pools in an L3 tier.
+    # shared with SGLang's own pools in an L3 tier.
     storage_format_tag: str | None = None
     # The host pool's memory is host memory; SGLang's `device` names where the
     # host buffers live, not the GPU they are copied to.
@@ -78,14 +80,13 @@ class SGLangSurface:
         return self.page_size * self.dcp_size
 
     def get_ksize_per_token(self) -> int:
-        """Bytes of K per token over all layers."""
-        g = self._geometry
-        return self.layer_num * g.k_heads * g.k_dim * self.dtype.itemsize
+        """Bytes of K per token over all layers (MLA: of the latent, the whole row, as SGLang's pool says)."""
+        heads, dim = self._geometry.shapes[0]
+        return self.layer_num * heads * dim * self.dtype.itemsize
 
     def get_size_per_token(self) -> int:
-        """Bytes of K and V per token over all layers."""
-        g = self._geometry
-        return self.get_ksize_per_token() + self.layer_num * g.v_heads * g.v_dim * self.dtype.itemsize
+        """Bytes of every buffer per token over all layers."""
+        return self.layer_num * self._geometry.token_elements * self.dtype.itemsize
 
     @property
     def size_per_token(self) -> int:
@@ -120,3 +121,19 @@ class SGLangSurface:
     def destroy(self) -> None:
         """SGLang's name for `close()`: releases the host memory; idempotent."""
         self.close()
+
+
+class MLASurface:
+    """SGLang's MLATokenToKVPoolHost's geometry of a latent row, beyond the common surface.
+
+    It relies on the pool's `kv_cache_dim`, `dtype` and `layer_num`."""
+
+    @property
+    def token_stride_size(self) -> int:
+        """Bytes of one token's latent row in one layer."""
+        return self.kv_cache_dim * self.dtype.itemsize
+
+    @property
+    def layout_dim(self) -> int:
+        """Bytes of one token's latent rows over all layers."""
+        return self.token_stride_size * self.layer_num

@@ -1,4 +1,5 @@
-"""One transfer: which tokens, which layers, which way, and K and V on both sides.
+"""One transfer: which tokens, which layers, which way, and each buffer (K and V, or
+MLA's latent) on both sides: one tensor pair per buffer, each a strided gather.
 
 The host pool builds one per call, after every check (pool.py), and hands it to
 the mover of its io path (portable_kv/io/).
@@ -18,7 +19,7 @@ from .layout import Chunking, HostStrides, chunking, host_strides
 
 @dataclass(frozen=True)
 class TensorPair:
-    """One of K or V on both sides of a transfer."""
+    """One buffer (K, V or MLA's latent) on both sides of a transfer."""
 
     host: torch.Tensor  # the host pool buffer, in its layout
     layout: str
@@ -44,7 +45,7 @@ class Transfer(NamedTuple):
     dataclass costs a microsecond more to build (host CPU time per call)."""
 
     to_device: bool
-    pairs: tuple[TensorPair, TensorPair]  # K, V
+    pairs: tuple[TensorPair, ...]  # K, V; or the latent
     indices: IndexPair
     layers: range
     page_size: int

@@ -22,7 +22,7 @@ LAYERS = (
     ("core", ("config", "cache", "layout", "indices", "transfer")),
     ("io paths", ("io",)),
     ("backends", ("backends",)),
-    ("host pool", ("numa", "allocator", "device_pool", "host_memory", "validation", "pages", "sglang_surface", "pool")),
+    ("host pool", ("numa", "allocator", "device_pool", "host_memory", "validation", "pages", "sglang_surface", "pool", "mla")),
     ("integrations", ("storage", "sglang")),
     ("commands", ("testing", "check", "bench", "cli", "__init__", "__main__")),
 )

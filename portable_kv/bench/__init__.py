@@ -18,10 +18,10 @@ import importlib.util
 
 DTYPE_NAMES = ("bf16", "fp16", "fp8")
 SECTIONS = {
-    "all": "the ceiling, the peers, every backend x layout x io backend, and on a GPU the setting sweeps, both ways and interference",
+    "all": "the ceiling, the peers, every backend x layout x io backend, the MLA rows, and on a GPU the setting sweeps, both ways and interference",
     "host-cost": "host CPU time of one per-layer load per io backend, issued back to back, beside a one-element torch op",
     "both-ways": "a load and a backup at once, each direction timed over its own span, for bulk copies and the package's paths (GPU)",
-    "staged": "staged and auto io beside kernel, direct and the peers, host pages placed by the allocator after churn and at random",
+    "staged": "staged and auto io beside kernel, direct and the peers, host pages placed by the allocator after churn and at random; the MLA rows too",
     "engine": "a cache-hit prefill of MiMo-V2-Flash as SGLang runs it (per-layer loads beside the forward's matmuls) per io path, "
               "against the forward alone, the loads alone, recomputing and its bound; MiMo's own geometry and the first --page-size",
 }
@@ -37,7 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     geometry.add_argument("--page-size", type=str, default="64,16,1", help="comma-separated page sizes in tokens (default: %(default)s)")
     geometry.add_argument("--pages", type=int, default=0,
                           help="pages per call (default: enough for 100 MB per per-layer load on a GPU, 4 MB on the CPU backend)")
-    geometry.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="element type of K and V (default: %(default)s)")
+    geometry.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="element type of K and V, and of the MLA latent (default: %(default)s)")
+    geometry.add_argument("--mla-dim", type=int, default=576,
+                          help="MLA rows beside the MHA ones, against the same ceiling: latent elements per token of an MLA pool "
+                               "(DeepSeek-V3/R1, Kimi-K2: 512 + 64); 0 leaves them out; --quick measures page_first_direct only (default: %(default)s)")
+    geometry.add_argument("--mla-layers", type=int, default=61, help="layers of the MLA pools; --quick uses 8 (default: %(default)s)")
     how = p.add_argument_group("how")
     how.add_argument("--section", choices=tuple(SECTIONS), default="all",
                      help="what to measure: " + "; ".join(f"{k}: {v}" for k, v in SECTIONS.items()) + " (default: %(default)s)")

@@ -55,7 +55,7 @@ def markdown(rows: list[Row], meta: dict) -> str:
 
         return engine_markdown(rows, meta)
     gpu = on_gpu(meta)
-    pages = sorted({r.page_size for r in rows if r.section in ("package", "peer")}, reverse=True)
+    pages = sorted({r.page_size for r in rows if r.section in ("package", "peer", "mla")}, reverse=True)
 
     def cell(name: str, section: str, page: int) -> str:
         found = {r.direction: r for r in rows if r.section == section and r.name == name and r.page_size == page}
@@ -80,12 +80,20 @@ def markdown(rows: list[Row], meta: dict) -> str:
         else:
             label = f"peer: {name}"
         lines.append(f"| {label} | " + " | ".join(cell(name, section, p) for p in pages) + f" | {host_us(name, section)} |")
-    if gpu:
-        lines += ["", "A cell: one per-layer load H2D / one all-layer backup D2H, GB/s (% of the ceiling of that direction); "
-                  "one number: H2D only; empty: not measured. Host us: host CPU time to enqueue one load, over the page sizes."]
-    else:
-        lines += ["", "A cell: one per-layer load / one all-layer backup, GB/s, both between host buffers (no GPU, no link). "
-                  "Host us: the load's time on the host, which on the CPU backend is the copy itself."]
+    legend = ("A cell: one per-layer load H2D / one all-layer backup D2H, GB/s (% of the ceiling of that direction); "
+              "one number: H2D only; empty: not measured. Host us: host CPU time to enqueue one load, over the page sizes.") if gpu else (
+              "A cell: one per-layer load / one all-layer backup, GB/s, both between host buffers (no GPU, no link). "
+              "Host us: the load's time on the host, which on the CPU backend is the copy itself.")
+    lines += ["", legend]
+    mla = list(dict.fromkeys(r.name for r in rows if r.section == "mla"))
+    if mla:
+        latent = meta.get("args", {}).get("mla_dim", "")
+        lines += ["", f"| MLA path, a {latent}-element latent row | " + " | ".join(f"page {p}" for p in pages) + " | host us per load |",
+                  "|---|" + "---|" * len(pages) + "---|"]
+        for name in mla:
+            backend, layout, io = name.split()
+            lines.append(f"| {backend} {io}, {layout} | " + " | ".join(cell(name, "mla", p) for p in pages) + f" | {host_us(name, 'mla')} |")
+        lines += ["", legend.replace("A cell:", "An MLA pool (one latent buffer a layer, as DeepSeek-V3 keeps it), against the same ceiling. A cell:")]
     quota = [r for r in rows if r.section == "block_quota"]
     if quota:
         counts = sorted({r.extra.get("block_quota", r.grid) for r in quota})
@@ -119,10 +127,12 @@ def plot(rows: list[Row], meta: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     gpu = on_gpu(meta)
-    main = [r for r in rows if r.section in ("package", "peer") and r.gbps > 0]
+    main = [r for r in rows if r.section in ("package", "peer", "mla") and r.gbps > 0]
     fig, ax = plt.subplots(figsize=(12, max(4, 0.22 * len(main))))
-    labels = [f"{r.name} {r.direction if gpu else CPU_CALLS.get(r.direction, r.direction)} p{r.page_size}" for r in main]
-    ax.barh(labels, [r.pct_ceiling if gpu else r.gbps for r in main], color=["tab:blue" if r.section == "package" else "tab:gray" for r in main])
+    labels = [f"{'MLA ' if r.section == 'mla' else ''}{r.name} {r.direction if gpu else CPU_CALLS.get(r.direction, r.direction)} p{r.page_size}"
+              for r in main]
+    colors = {"package": "tab:blue", "mla": "tab:green"}
+    ax.barh(labels, [r.pct_ceiling if gpu else r.gbps for r in main], color=[colors.get(r.section, "tab:gray") for r in main])
     if gpu:
         ax.axvline(100, color="k", lw=0.8)
     ax.set_xlabel("% of the measured PCIe ceiling" if gpu else "GB/s between host buffers (CPU backend, no GPU)")

@@ -10,6 +10,7 @@ import torch
 
 from .. import backends
 from ..layout import LAYOUTS
+from ..mla import MLA_LAYOUTS
 from . import engine, report, sections, staged
 from .measure import Clock
 from .peers import peers
@@ -92,7 +93,7 @@ def measure(args: argparse.Namespace, geometry: Geometry, sizes: list[int], name
     if args.section == "host-cost":
         return rows + host_cost(clock, geometry, layers, names, device), ceil
     if args.section == "staged":
-        return rows + staged.measure(clock, geometry, sizes, names, layers, reps, ceil, device, progress), ceil
+        return rows + staged.measure(clock, geometry, sizes, names, layers, reps, ceil, device, progress, mla_layers(args, geometry)), ceil
     if args.section == "engine":
         return rows + engine.measure(clock, sizes, names, reps, args.quick, ceil, device, progress), ceil
     for page_size in sizes:
@@ -112,7 +113,31 @@ def measure(args: argparse.Namespace, geometry: Geometry, sizes: list[int], name
         del w
         if gpu:
             torch.cuda.empty_cache()
+        if geometry.mla_dim:
+            m = Workload(geometry, page_size, mla_layers(args, geometry), device, pool="MLA")
+            progress(f"page {page_size}, MLA latent of {geometry.mla_dim}: {m.pages} pages, {m.layer_bytes / 1e6:.0f} MB per per-layer load")
+            for name in names:
+                rows += mla_rows(args, clock, m, reps, ceil, name)
+            del m
+            if gpu:
+                torch.cuda.empty_cache()
     return rows, ceil
+
+
+def mla_layers(args: argparse.Namespace, geometry: Geometry) -> int:
+    return 8 if args.quick else geometry.mla_layers
+
+
+def mla_rows(args: argparse.Namespace, clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list:
+    """Each MLA layout x io backend of one backend (--quick: page_first_direct, SGLang's layout for MLA pages in L3)."""
+    backend = backends.use(name)
+    rows = []
+    for layout in ("page_first_direct",) if args.quick else MLA_LAYOUTS:
+        for io in (io for io in backend.io_backends if io in IO_PATHS):
+            progress(f"  {name} MLA {layout} {io}")
+            with w.host_pool(layout, io) as host:
+                rows += sections.bench_pool(clock, w, host, io, reps, ceil, "mla", f"{name} {layout} {io}")
+    return rows
 
 
 # The main run's io paths; staged and auto are measured by --section staged.

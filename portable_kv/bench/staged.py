@@ -7,7 +7,8 @@ per-layer load (H2D) from an idle GPU, per-layer loads of every layer back to ba
 an engine's load stream issues them) and an all-layer backup (D2H) of page_first_direct
 pages (and, placed by the allocator, of layer_first pages), with the SMs each path
 occupies and its host time per call; a load and a backup at once;
-on a GPU, a bf16 matmul loop's slowdown while loads run beside it.
+on a GPU, a bf16 matmul loop's slowdown while loads run beside it.  Then the io paths
+alone over an MLA pool (DeepSeek-V3's latent row), each placement.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .measure import Clock, gbps
 from .peers import peers
 from .rows import Row
 from .sections import bench_pool, percent, with_clock
-from .workload import Geometry, Workload
+from .workload import MLA_LAYERS, Geometry, Workload
 
 IOS = ("kernel", "direct", "staged", "auto")
 # Host layouts of the section: page_first_direct (a per-layer run of pages is one 2-D copy,
@@ -71,8 +72,8 @@ class StagedWorkload(Workload):
     """The bench's workload in a host pool HOST_RATIO times the device pool, its host pages
     placed by the allocator after churn or at random."""
 
-    def __init__(self, geometry, page_size: int, layers: int, device: torch.device, placement: str) -> None:
-        super().__init__(geometry, page_size, layers, device)
+    def __init__(self, geometry, page_size: int, layers: int, device: torch.device, placement: str, pool: str = "MHA") -> None:
+        super().__init__(geometry, page_size, layers, device, pool)
         self.peer_host_idx = self.host_idx  # random pages of a pool the peers' own size
         self.placement = placement
         self.pool_pages = int(HOST_RATIO * self.host_pages)
@@ -82,22 +83,25 @@ class StagedWorkload(Workload):
             pages = torch.randperm(self.pool_pages, generator=torch.Generator().manual_seed(1))[: self.pages]
             self.host_idx = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
-    def host_pool(self, layout: str, io: str, host_memory: str = "pinned") -> pk.AsymmetricHostPool:
-        return pk.AsymmetricHostPool(self.dev, host_to_device_ratio=HOST_RATIO, layout=layout, io_backend=io, host_memory=host_memory)
+    def host_pool(self, layout: str, io: str, host_memory: str = "pinned", ratio: float = HOST_RATIO) -> pk.AsymmetricHostPool | pk.MLAHostPool:
+        return super().host_pool(layout, io, host_memory, ratio)
 
 
 def measure(clock: Clock, geometry: Geometry, sizes: list[int], names: list[str], layers: int, reps: int, ceil: dict,
-            device: torch.device, progress) -> list[Row]:
-    """The section over page sizes, placements and backends."""
+            device: torch.device, progress, mla_layers: int = MLA_LAYERS) -> list[Row]:
+    """The section over page sizes, placements and backends, for the MHA geometry and, where
+    `geometry` has an MLA latent, an MLA pool of `mla_layers` layers (its io paths alone)."""
     rows = []
+    pools = ("MHA", "MLA") if geometry.mla_dim else ("MHA",)
     for page_size in sizes:
-        for placement in ("allocator", "random"):
-            w = StagedWorkload(geometry, page_size, layers, device, placement)
-            progress(f"page {page_size}, {placement} host pages: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
-            if placement == "allocator":
+        for pool, placement in [(pool, placement) for pool in pools for placement in ("allocator", "random")]:
+            w = StagedWorkload(geometry, page_size, mla_layers if pool == "MLA" else layers, device, placement, pool)
+            latent = f", MLA latent of {geometry.mla_dim}" if pool == "MLA" else ""
+            progress(f"page {page_size}, {placement} host pages{latent}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
+            if placement == "allocator" and pool == "MHA":
                 rows += run_lengths(page_size, w.host_idx)
             for name in names:
-                rows += section(clock, w, reps, ceil, name, with_peers=placement == "random" and name == names[0])
+                rows += section(clock, w, reps, ceil, name, with_peers=placement == "random" and name == names[0] and pool == "MHA")
             del w
             if clock.gpu:
                 torch.cuda.empty_cache()
@@ -122,7 +126,7 @@ def _runs_summary(lengths: list[int]) -> dict:
 
 
 def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, with_peers: bool) -> list[Row]:
-    """Every io path on one pool of `w`'s placement; both ways at once; interference on a GPU."""
+    """Every io path on one pool of `w`'s placement; of an MHA pool, both ways at once and interference on a GPU."""
     backend = backends.use(name)
     rows = []
     if with_peers and clock.gpu:
@@ -130,13 +134,13 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
         own.host_idx = w.peer_host_idx
         rows += [_labelled(r, f"peer: {r.name}, random pages") for r in peers(clock, own, reps, ceil)]
     for layout in HOST_LAYOUTS if w.placement == "allocator" else HOST_LAYOUTS[:1]:
-        where = f"{w.placement} host pages" + ("" if layout == HOST_LAYOUTS[0] else f", {layout} host")
+        where = ("MLA, " if w.pool == "MLA" else "") + f"{w.placement} host pages" + ("" if layout == HOST_LAYOUTS[0] else f", {layout} host")
         with w.host_pool(layout, "kernel") as host:
             for io in IOS:
                 label = f"{name} {io}, {where}"
                 for row in [*bench_pool(clock, w, host, io, reps, ceil, "staged", label), back_to_back(clock, w, host, io, reps, ceil, label)]:
                     rows.append(_with_sms(row, backend, host, w, io, clock.gpu))
-            if clock.gpu:
+            if clock.gpu and w.pool == "MHA":  # the MLA rows: the io paths alone
                 for io in ("kernel", "staged", "auto"):
                     rows.append(both_ways(clock, w, host, io, reps, ceil, name, where))
                     rows.append(both_ways_threads(clock, w, host, io, reps, ceil, name, where))
@@ -154,7 +158,7 @@ def _labelled(row: Row, name: str) -> Row:
     return row
 
 
-def _with_sms(row: Row, backend, host: pk.AsymmetricHostPool, w: StagedWorkload, io: str, gpu: bool) -> Row:
+def _with_sms(row: Row, backend, host: pk.AsymmetricHostPool | pk.MLAHostPool, w: StagedWorkload, io: str, gpu: bool) -> Row:
     """The most SMs (CUs) a call of `io` in the row's direction occupies, and which path auto
     (or staged, which falls back where it cannot carry a call) took: one more call tells."""
     taken = io

@@ -68,7 +68,7 @@ def _measure(kind: str, page_size: int, total_bytes: int, repeats: int, layout: 
     # The host pool holds the pages twice: the put sources, then the get targets.
     dev = pk.DeviceKVPool(g["layers"], pages * page_size, page_size, g["k_heads"], g["k_dim"], g["v_dim"], v_heads=g["v_heads"], dtype=torch.bfloat16, device="cpu")
     host = pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout, io_backend="direct")
-    for buffer in (host.k_buffer, host.v_buffer):
+    for buffer in host.buffers:
         buffer.view(torch.int16).random_()
     moved = pages * token_bytes * page_size
     if kind == "mooncake":
@@ -79,7 +79,7 @@ def _measure(kind: str, page_size: int, total_bytes: int, repeats: int, layout: 
         opened = LocalStore(host, directory)
     sources = _tokens(range(pages), page_size)
     targets = _tokens(range(pages, 2 * pages), page_size)
-    k_span, v_span = pages * opened.k_page_bytes, pages * opened.v_page_bytes
+    spans = [pages * nbytes for nbytes in opened.object_bytes]
     put_s, get_s, bulk_put_s, bulk_get_s = [], [], [], []
     try:
         for _ in range(repeats):
@@ -87,7 +87,7 @@ def _measure(kind: str, page_size: int, total_bytes: int, repeats: int, layout: 
             put_s.append(_timed(_all, "put", opened.put, keys, sources))
             get_s.append(_timed(_all, "get", opened.get, keys, targets))
             bulk = _bulk_mooncake if kind == "mooncake" else _bulk_file
-            put_time, get_time = bulk(opened, host, k_span, v_span, directory)
+            put_time, get_time = bulk(opened, host, spans, directory)
             bulk_put_s.append(put_time)
             bulk_get_s.append(get_time)
     finally:
@@ -100,7 +100,7 @@ def _measure(kind: str, page_size: int, total_bytes: int, repeats: int, layout: 
         "layout": layout,
         "page_size": page_size,
         "pages": pages,
-        "page_bytes": opened.k_page_bytes + opened.v_page_bytes,
+        "page_bytes": opened.page_bytes,
         "bytes": moved,
         "put_gbps": moved / put / 1e9,
         "get_gbps": moved / get / 1e9,
@@ -111,25 +111,25 @@ def _measure(kind: str, page_size: int, total_bytes: int, repeats: int, layout: 
     }
 
 
-def _bulk_mooncake(store: Any, host: Any, k_span: int, v_span: int, directory: str) -> tuple[float, float]:
+def _bulk_mooncake(store: Any, host: Any, spans: list[int], directory: str) -> tuple[float, float]:
     client = store._client
-    names = [uuid.uuid4().hex + "_bulk_k", uuid.uuid4().hex + "_bulk_v"]
-    sources = [host.k_buffer.data_ptr(), host.v_buffer.data_ptr()]
+    names = [f"{uuid.uuid4().hex}_bulk_{part}" for part in store.objects]
+    sources = [buffer.data_ptr() for buffer in host.buffers]
     # The targets are the pool's second half, where the page gets landed.
-    targets = [host.k_buffer.data_ptr() + k_span, host.v_buffer.data_ptr() + v_span]
-    put_time = _timed(lambda: _codes(client.batch_put_from(names, sources, [k_span, v_span]), "bulk put"))
-    get_time = _timed(lambda: _codes(client.batch_get_into(names, targets, [k_span, v_span]), "bulk get", expect=[k_span, v_span]))
+    targets = [buffer.data_ptr() + span for buffer, span in zip(host.buffers, spans)]
+    put_time = _timed(lambda: _codes(client.batch_put_from(names, sources, spans), "bulk put"))
+    get_time = _timed(lambda: _codes(client.batch_get_into(names, targets, spans), "bulk get", expect=spans))
     return put_time, get_time
 
 
-def _bulk_file(store: Any, host: Any, k_span: int, v_span: int, directory: str) -> tuple[float, float]:
+def _bulk_file(store: Any, host: Any, spans: list[int], directory: str) -> tuple[float, float]:
     name = os.path.join(directory, uuid.uuid4().hex + ".bulk")
-    spans = [(host.k_buffer.data_ptr(), k_span), (host.v_buffer.data_ptr(), v_span)]
-    targets = [(host.k_buffer.data_ptr() + k_span, k_span), (host.v_buffer.data_ptr() + v_span, v_span)]
+    sources = [(buffer.data_ptr(), span) for buffer, span in zip(host.buffers, spans)]
+    targets = [(buffer.data_ptr() + span, span) for buffer, span in zip(host.buffers, spans)]
 
     def write() -> None:
         with open(name, "wb") as out:
-            for ptr, size in spans:
+            for ptr, size in sources:
                 out.write(memoryview((ctypes.c_char * size).from_address(ptr)).cast("B"))
 
     def read() -> None:

@@ -2,9 +2,9 @@
 kernels_common) launched through the vendor runtime.
 
 GPU threads read and write page-locked host memory over PCIe: a load scatters host
-tokens into the KV buffers, a backup gathers them back; one launch moves K and V of
-a layer, or of all layers.  The staged path runs the same kernel between a staging
-slot in device memory and the KV buffers (io/staged.py).
+tokens into the KV buffers, a backup gathers them back; one launch moves every buffer
+(K and V, or MLA's latent) of a layer, or of all layers.  The staged path runs the
+same kernel between a staging slot in device memory and the KV buffers (io/staged.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .kernel_args import BLOCK, JobTemplate, LayerTables, PreparedLaunch
 from .mover import Mover
 
 PREPARED_KEPT = 4  # kernel io, per thread: a load and a backup interleaved, and a spare
-TEMPLATES_KEPT = 16  # job templates kept per mover: one per device pool (K/V pair) it moves to
+TEMPLATES_KEPT = 16  # job templates kept per mover: one per device pool (its tensor pairs) it moves to
 
 
 class Runtime(Protocol):
@@ -87,7 +87,7 @@ class KernelMover(Mover):
 
     def _launch(self, prepared: dict[tuple, PreparedLaunch], transfer: Transfer, setting: tuple) -> PreparedLaunch:
         """The kept launch for `transfer` at `setting`, or a new one kept in place of the oldest."""
-        key = (id(transfer.indices), id(transfer.pairs[0]), id(transfer.pairs[1]), *setting)
+        key = (id(transfer.indices), *map(id, transfer.pairs), *setting)
         launch = prepared.get(key)
         if launch is None or not launch.made_for(transfer):
             _, _, quota, stream, stream_device = setting
@@ -99,7 +99,7 @@ class KernelMover(Mover):
                 del prepared[next(iter(prepared))]
         return launch
 
-    def _template(self, pairs: tuple[TensorPair, TensorPair]) -> JobTemplate:
+    def _template(self, pairs: tuple[TensorPair, ...]) -> JobTemplate:
         return self._templates.get(pairs, lambda: JobTemplate(pairs, [self.backend.layer_tables.of(p.device) for p in pairs]))
 
     def close(self) -> None:

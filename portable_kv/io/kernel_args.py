@@ -15,7 +15,10 @@ import torch
 from ..cache import IdentityCache
 from ..transfer import TensorPair, Transfer
 
-LAYER_TABLES_KEPT = 64  # device address tables kept per backend: a few device pools, each pair of K/V
+LAYER_TABLES_KEPT = 64  # device address tables kept per backend: a few device pools, one per buffer of each
+# Tensor jobs in one launch (PkvCopyArgs.job): K and V; an MLA pool's one latent buffer leaves
+# the second empty (it starts at the last vector, so no vector is its).
+MAX_JOBS = 2
 KERNEL_WIDTHS = (16, 8, 4, 2, 1)  # bytes per access; one entry point each (kv_copy.h)
 BLOCK = 512  # threads per block: PKV_BLOCK in kv_copy.h
 UNROLL = 4  # vectors in flight per thread: PKV_UNROLL in kv_copy.h
@@ -52,7 +55,7 @@ class CopyArgs(ctypes.Structure):
     """Mirror of PkvCopyArgs: the kernel's one by-value parameter."""
 
     _fields_ = [
-        ("job", TensorJob * 2),
+        ("job", TensorJob * MAX_JOBS),
         ("host_indices", ctypes.c_uint64),
         ("device_indices", ctypes.c_uint64),
         ("error_flag", ctypes.c_uint64),
@@ -93,7 +96,7 @@ def access_width(*values: int) -> int:
 
 
 def pair_width(pair: TensorPair, table: LayerTable) -> int:
-    """The widest access every address and stride of one of K or V is aligned to."""
+    """The widest access every address and stride of one buffer (K, V or the latent) is aligned to."""
     s, c = pair.strides, pair.chunks
     return access_width(pair.host.data_ptr(), table.alignment, s.page, s.token, s.layer, c.host_group,
                         pair.device_token_bytes, c.device_group, c.chunk_bytes)
@@ -129,7 +132,9 @@ class LayerTables:
 class JobTemplate:
     """The kernel arguments that depend only on the host pool and the device buffers."""
 
-    def __init__(self, pairs: tuple[TensorPair, TensorPair], tables: Sequence[LayerTable]) -> None:
+    def __init__(self, pairs: tuple[TensorPair, ...], tables: Sequence[LayerTable]) -> None:
+        if not 1 <= len(pairs) <= MAX_JOBS:
+            raise ValueError(f"pairs: the copy kernel moves 1 to {MAX_JOBS} buffers in one launch, got {len(pairs)}")
         self.tables = tuple(tables)  # keeps the address tables alive while the template is in use
         self.width = math.gcd(*(pair_width(pair, table) for pair, table in zip(pairs, tables)))
         self.jobs: list[dict[str, int]] = []
@@ -150,7 +155,6 @@ class JobTemplate:
         for job, fields in zip(args.job, self.jobs):
             for name, value in fields.items():
                 setattr(job, name, value)
-        args.job[0].vec_begin = 0
 
 
 class PreparedLaunch:
@@ -174,8 +178,11 @@ class PreparedLaunch:
         args = self.args
         args.error_flag = error_flag
         rows = transfer.tokens * len(transfer.layers)
-        args.job[1].vec_begin = rows * template.vecs_per_row[0]
-        args.total_vecs = rows * (template.vecs_per_row[0] + template.vecs_per_row[1])
+        begin = 0
+        for job in range(MAX_JOBS):
+            args.job[job].vec_begin = begin
+            begin += rows * (template.vecs_per_row[job] if job < len(template.vecs_per_row) else 0)
+        args.total_vecs = begin
         args.host_indices, args.device_indices = self.indices[0].data_ptr(), self.indices[1].data_ptr()
         args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)
         args.page_size = transfer.page_size
@@ -192,5 +199,5 @@ class PreparedLaunch:
 
     def made_for(self, transfer: Transfer) -> bool:
         """Whether this launch was prepared for `transfer`'s pairs and indices, which still live."""
-        k, v = self._pairs
-        return self._indices() is transfer.indices and k() is transfer.pairs[0] and v() is transfer.pairs[1]
+        return (self._indices() is transfer.indices and len(self._pairs) == len(transfer.pairs)
+                and all(ref() is pair for ref, pair in zip(self._pairs, transfer.pairs)))

@@ -104,10 +104,10 @@ class StagedMover(Mover):
         staging cannot carry it.  A load and a backup, one layer and all of them, are kept
         side by side: each plan costs milliseconds of host time on a large transfer."""
         def build() -> Any:
-            k = transfer.pairs[0]
-            host_np, _, skipped = transfer.indices.inside(k.strides.tokens, k.device[0].shape[0])
-            plan = None if skipped else staged_plan.build(host_np, transfer.pairs, k.layout, transfer.page_size, transfer.layers,
-                                                          len(k.device), self.staging_bytes // 2, transfer.to_device)
+            first = transfer.pairs[0]  # every buffer has the same tokens and layers
+            host_np, _, skipped = transfer.indices.inside(first.strides.tokens, first.device[0].shape[0])
+            plan = None if skipped else staged_plan.build(host_np, transfer.pairs, first.layout, transfer.page_size, transfer.layers,
+                                                          len(first.device), self.staging_bytes // 2, transfer.to_device)
             return _NO_PLAN if plan is None else Prepared(plan, transfer)
 
         layers = transfer.layers
@@ -189,7 +189,7 @@ class StagedMover(Mover):
                 self._ordered = ordered
 
     def _copy(self, transfer: Transfer, prepared: Prepared, chunk: int, slot: Slot, stream: int) -> None:
-        """The host-side copies of one chunk of K and V, between the host pool and `slot`:
+        """The host-side copies of one chunk of every buffer, between the host pool and `slot`:
         one batched call of their rows where the rule batches the plan, else 2-D copies."""
         if prepared.batched_by(self.rule):
             self.memcpy_batch(prepared.batch(chunk, slot, transfer), stream)

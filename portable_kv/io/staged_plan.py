@@ -33,8 +33,8 @@ from ..layout import HostStrides, canonical_view, host_shape, host_strides
 # pitch (cudaDevAttrMaxPitch: 2^31 - 1 on every current GPU); a layer_first pool
 # past 2 GiB a layer has larger ones, and its rows become copies of their own.
 MAX_PITCH = (1 << 31) - 1
-# A chunk's two copies (K, V) start on this alignment in the staging buffer: the
-# kernel picks its access width from the addresses, 16 bytes wants 16.
+# Each buffer's miniature (K, V; or MLA's latent) starts on this alignment in the staging
+# buffer: the kernel picks its access width from the addresses, 16 bytes wants 16.
 STAGING_ALIGN = 256
 # Chunks a large transfer is cut into: a few large ones, then chunks that shrink
 # toward the end of a load (grow from the start of a backup).  The kernel of a load's
@@ -53,7 +53,7 @@ MIN_CHUNK_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Copies:
-    """The copies of one tensor (K or V) between the host buffer and a staging slot, in
+    """The copies of one buffer (K, V or the latent) between the host buffer and a staging slot, in
     chunk order: parallel arrays of byte offsets, row width, rows and each side's pitch.
     Host offsets leave out the layer term (layer * host layer stride), added per call."""
 
@@ -75,20 +75,20 @@ class Copies:
 
 @dataclass(frozen=True)
 class StagedPlan:
-    """How one transfer goes through staging: its chunks and, for K and V, the staging
+    """How one transfer goes through staging: its chunks and, for each buffer, the staging
     miniature's strides, where it starts in a slot, and the copies."""
 
     chunk_tokens: int  # tokens the largest chunk holds, a multiple of page_size: what a slot must hold
     chunks: tuple[range, ...]  # positions in the index list, in order
     layers: int  # layers a staging miniature holds: 1 (stride 0: any layer) or all of them
-    staging: tuple[HostStrides, HostStrides]
-    offsets: tuple[int, int]  # where the K and V miniatures start in a slot
+    staging: tuple[HostStrides, ...]
+    offsets: tuple[int, ...]  # where each buffer's miniature starts in a slot
     slot_bytes: int  # bytes a slot must hold
-    copies: tuple[Copies, Copies]
+    copies: tuple[Copies, ...]
 
     @property
     def copy_count(self) -> int:
-        return len(self.copies[0]) + len(self.copies[1])
+        return sum(len(c) for c in self.copies)
 
     @property
     def min_width(self) -> int:
@@ -238,8 +238,8 @@ def build(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layer
          slot_bytes: int, to_device: bool = True) -> StagedPlan | None:
     """The staged plan of a transfer, or None where staging cannot carry it (a page layout's
     indices that are not whole pages, layers that are neither one nor all from 0, or not one
-    page fitting a slot).  `pairs` are transfer.TensorPair (K, V): their host buffers, strides
-    and registration pieces (runs are cut where either's piece ends)."""
+    page fitting a slot).  `pairs` are transfer.TensorPair (K, V; or the latent): their host
+    buffers, strides and registration pieces (runs are cut where any one's piece ends)."""
     staged_layers = len(layers)
     if staged_layers != 1 and (layers.start != 0 or staged_layers != layer_count):
         return None
@@ -248,7 +248,7 @@ def build(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layer
     # step (the in-page token stride of a one-token page means nothing).
     page_major = tuple(page_size == 1 or p.strides.page != page_size * p.strides.token for p in pairs)
     token_bytes = sum(p.device_token_bytes for p in pairs) * staged_layers
-    bounds = chunk_bounds(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN, to_device)
+    bounds = chunk_bounds(host_idx.size, token_bytes, page_size, slot_bytes - STAGING_ALIGN * (len(pairs) - 1), to_device)
     if bounds.size == 0:
         return None
     starts, lengths = host_runs(host_idx, bounds, tuple(p.registration_tokens for p in pairs))
@@ -258,13 +258,15 @@ def build(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layer
     pages = -(-max(len(c) for c in chunks) // page_size)  # a staging miniature holds whole pages
     chunk = pages * page_size
     staging = tuple(staging_strides(p.host, layout, layer_count, staged_layers, pages, page_size) for p in pairs)
-    k_bytes = chunk * staged_layers * pairs[0].device_token_bytes
-    offsets = (0, -(-k_bytes // STAGING_ALIGN) * STAGING_ALIGN)
-    slot = offsets[1] + chunk * staged_layers * pairs[1].device_token_bytes
+    offsets, slot = [], 0
+    for pair in pairs:
+        slot = -(-slot // STAGING_ALIGN) * STAGING_ALIGN
+        offsets.append(slot)
+        slot += chunk * staged_layers * pair.device_token_bytes
     chunk_of_run = np.searchsorted(bounds, starts, side="right") - 1
     runs = tuple(copies(p.strides, s, page_size, major, host_idx[starts], starts - bounds[chunk_of_run], lengths,
                         staged_layers, chunk_of_run, len(chunks)) for p, s, major in zip(pairs, staging, page_major))
-    return StagedPlan(chunk, chunks, staged_layers, staging, offsets, slot, runs)
+    return StagedPlan(chunk, chunks, staged_layers, staging, tuple(offsets), slot, runs)
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,10 @@ class Prepared:
         self.ends = tuple([0, *c.chunk_ends.tolist()] for c in staged.copies)
         # Staging token j of a chunk is its j-th index: the kernel moves each chunk between
         # staging slots 0, 1, ... and the chunk's device slots.
-        k = transfer.pairs[0]
-        device = torch.from_numpy(transfer.indices.inside(k.strides.tokens, k.device[0].shape[0])[1])
+        first = transfer.pairs[0]
+        device = torch.from_numpy(transfer.indices.inside(first.strides.tokens, first.device[0].shape[0])[1])
         self.indices = tuple(IndexPair(torch.arange(len(c), dtype=torch.int64), device[c.start:c.stop]) for c in staged.chunks)
-        self._pairs: dict[int, tuple[TensorPair, TensorPair]] = {}
+        self._pairs: dict[int, tuple[TensorPair, ...]] = {}
         self._carried: dict[StagingRule, bool] = {}
         self._batched: dict[StagingRule, bool] = {}
         self._rows: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...] | None = None
@@ -66,8 +66,8 @@ class Prepared:
             batched = self._batched[rule] = rule.batches(self.plan)
         return batched
 
-    def pairs(self, slot: Slot, transfer: Transfer, reads_strides: bool) -> tuple[TensorPair, TensorPair]:
-        """K and V of `slot` as the copy kernel's "host" side: the staging miniatures.
+    def pairs(self, slot: Slot, transfer: Transfer, reads_strides: bool) -> tuple[TensorPair, ...]:
+        """Each buffer of `slot` as the copy kernel's "host" side: the staging miniatures.
 
         A kernel reads strides and a base address: a flat tensor, with the layer stride 0
         where one layer is staged, so that its absolute layer index lands on it.  The CPU
@@ -85,7 +85,7 @@ class Prepared:
                     head_dim = strides.row_bytes // pair.host.element_size()
                     tensor = miniature(pair.layout, layers, layers, pages, transfer.page_size, strides.heads, head_dim, pair.host.dtype, storage)
                     made.append(tensor_pair(tensor, pair.device, pair.layout, transfer.page_size))
-            pairs = self._pairs[slot.generation] = (made[0], made[1])
+            pairs = self._pairs[slot.generation] = tuple(made)
         return pairs
 
     def batch(self, chunk: int, slot: Slot, transfer: Transfer) -> CopyBatch:
@@ -108,13 +108,13 @@ class Prepared:
         return batch
 
     def rows(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The rows of `chunk`'s 2-D copies as 1-D copies, K's then V's: (0 for K and 1
-        for V, host offset without the layer term, offset in the tensor's staging, bytes)."""
+        """The rows of `chunk`'s 2-D copies as 1-D copies, K's then V's: (the buffer's
+        position, host offset without the layer term, offset in the tensor's staging, bytes)."""
         if self._rows is None:
             made = []
             for c in range(len(self.plan.chunks)):
                 parts = [_rows_of(copies, ends[c], ends[c + 1]) for copies, ends in zip(self.plan.copies, self.ends)]
-                made.append((np.repeat(np.arange(2), [p[0].size for p in parts]),
+                made.append((np.repeat(np.arange(len(parts)), [p[0].size for p in parts]),
                              *(np.concatenate([p[n] for p in parts]) for n in range(3))))
             self._rows = tuple(made)
         return self._rows[chunk]

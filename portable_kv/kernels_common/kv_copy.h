@@ -1,10 +1,10 @@
 // The one copy algorithm behind the `kernel` io backend, shared by CUDA and HIP.
 //
-// A transfer is a flat space of vectors: (tensor K|V, layer, token, head group,
-// vector within the chunk).  Every thread of a persistent grid walks that space
-// with a stride of the whole grid and computes both addresses from the token
-// indices and the layout strides (layout.py), so the host does no per-chunk
-// work.  UNROLL independent loads are issued before their stores because a
+// A transfer is a flat space of vectors: (tensor K|V or MLA's one latent
+// tensor, layer, token, head group, vector within the chunk).  Every thread
+// of a persistent grid walks that space with a stride of the whole grid and
+// computes both addresses from the token indices and the layout strides
+// (layout.py), so the host does no per-chunk work.  UNROLL independent loads are issued before their stores because a
 // PCIe round trip is ~1-2 us: a 16-block grid needs ~100 KB in flight to fill
 // the link, far more than one 16-byte load per thread gives.
 //
@@ -21,7 +21,7 @@
 #define PKV_UNROLL 4
 #endif
 
-struct PkvTensorJob {                 // one of K or V
+struct PkvTensorJob {                 // one of K or V, or the latent (job[1] then starts at total_vecs)
   unsigned long long host_base;       // the host pool buffer (page-locked, mapped)
   unsigned long long device_layers;   // device array: base address of each layer's buffer
   long long host_page, host_token, host_layer, host_group;  // host byte strides

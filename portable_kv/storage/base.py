@@ -2,9 +2,11 @@
 
 An engine names each page by a key (SGLang's: a hash of the page's tokens and
 its prefix) and says where the page lives in the host pool by all of its
-token indices.  A store moves a page as two objects, `{name}_k` and
-`{name}_v`, where `name` adds the model and the rank to the key exactly as
-SGLang 0.5.23's Mooncake backend does, and each object holds the K (V) block
+token indices.  A store moves a page as one object per buffer of the pool, as
+SGLang 0.5.23's Mooncake backend does: an MHA page as `{name}_k` and
+`{name}_v`, an MLA page as one `{name}_k`, where `name` adds the model and the
+rank to the key as SGLang names them (an MLA page without the tensor-parallel
+rank: every rank holds the same latent).  Each object holds its buffer's block
 in the layout's own byte order (docs/API.md, "Pages for storage tiers"), so
 SGLang reads what portable_kv stored and the reverse.
 
@@ -12,7 +14,8 @@ Pages that are contiguous in the host pool (`page_first`, `page_first_direct`,
 `page_head`) move straight from and to the pool at the addresses
 `host.get_page_buffer_meta` gives; `layer_first` pages, one run per layer, go
 through a staging buffer of whole pages in the `page_first_direct` order (what
-SGLang's flat page of a `layer_first` pool is).
+SGLang's flat page of a `layer_first` pool is, and the bytes of its MLA
+object, which SGLang puts from the page's layers in turn).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from ..layout import canonical_view
 STAGED_LAYOUTS = ("layer_first",)
 # Staging is bounded so that a store over a large layer_first pool holds at most this much extra memory.
 STAGING_BYTES = 64 << 20
+# SGLang's object suffixes of a page, one per buffer of the pool, by pool kind.
+PAGE_OBJECTS = {"MHA": ("k", "v"), "MLA": ("k",)}
 
 
 def key_prefix(model_name: str, backend_tag: str) -> str:
@@ -38,18 +43,21 @@ def key_prefix(model_name: str, backend_tag: str) -> str:
     return "_".join(parts)
 
 
-def rank_suffix(tp_rank: int, pp_rank: int | None) -> str:
-    """SGLang's rank suffix of an MHA page: the tensor-parallel rank, or `{tp}_{pp}` under pipeline parallelism."""
+def rank_suffix(tp_rank: int, pp_rank: int | None, kind: str = "MHA") -> str:
+    """SGLang's rank suffix of a page.  MHA: the tensor-parallel rank, or `{tp}_{pp}` under
+    pipeline parallelism.  MLA: none, or the pipeline rank (every tensor-parallel rank holds the
+    same latent, so SGLang stores it once)."""
+    if kind == "MLA":
+        return "" if pp_rank is None else f"{pp_rank}"
     return f"{tp_rank}" if pp_rank is None else f"{tp_rank}_{pp_rank}"
 
 
 @dataclass(frozen=True)
 class PageBatch:
-    """Where a run of pages' K and V blocks are while a store moves them."""
+    """Where a run of pages' blocks are while a store moves them, one list of addresses per object (K, V; or the latent)."""
 
     first: int  # position of the run's first page in the caller's batch
-    k_ptrs: list[int]
-    v_ptrs: list[int]
+    ptrs: tuple[list[int], ...]
     pages: np.ndarray  # host page numbers of the run
     staged: bool  # True: the pointers are the staging buffer's, not the pool's
 
@@ -63,10 +71,10 @@ class PageStore(ABC):
     """
 
     def __init__(self, host: Any, *, model_name: str = "", tp_rank: int = 0, pp_rank: int | None = None, backend_tag: str = "") -> None:
-        for name in ("k_buffer", "v_buffer", "layout", "page_size", "page_num", "get_page_buffer_meta"):
+        for name in ("kind", "buffers", "layout", "page_size", "page_num", "get_page_buffer_meta"):
             if not hasattr(host, name):
-                raise TypeError(f"host: expected an AsymmetricHostPool (missing {name!r}), got {type(host).__name__}")
-        if getattr(host, "closed", False) or host.k_buffer is None:
+                raise TypeError(f"host: expected an AsymmetricHostPool or MLAHostPool (missing {name!r}), got {type(host).__name__}")
+        if getattr(host, "closed", False) or not host.buffers:
             raise ValueError("host: the pool is closed")
         for name, value in (("model_name", model_name), ("backend_tag", backend_tag)):
             if not isinstance(value, str):
@@ -76,20 +84,28 @@ class PageStore(ABC):
         self.host = host
         self.page_size = int(host.page_size)
         self.prefix = key_prefix(model_name, backend_tag)
-        self.suffix = rank_suffix(self.tp_rank, self.pp_rank)
-        k_view = canonical_view(host.k_buffer, host.layout, self.page_size)
-        v_view = canonical_view(host.v_buffer, host.layout, self.page_size)
-        self.k_page_bytes = k_view[0].numel() * host.k_buffer.element_size()
-        self.v_page_bytes = v_view[0].numel() * host.v_buffer.element_size()
+        self.suffix = rank_suffix(self.tp_rank, self.pp_rank, host.kind.name)
+        self.objects = PAGE_OBJECTS[host.kind.name]
+        views = [canonical_view(buffer, host.layout, self.page_size) for buffer in host.buffers]
+        self.object_bytes = tuple(view[0].numel() * view.element_size() for view in views)
         self.staged = host.layout in STAGED_LAYOUTS
-        self._k_stage = self._v_stage = self._stage = None
+        self._stages: list[torch.Tensor] = []
+        self._stage = None
         if self.staged:
-            pages = max(1, min(int(host.page_num), STAGING_BYTES // (self.k_page_bytes + self.v_page_bytes)))
-            self._stage = torch.empty(pages * (self.k_page_bytes + self.v_page_bytes), dtype=torch.uint8)
-            # (page, layer, token, head, dim): SGLang's flat-page order of a layer_first pool.
-            self._k_stage = self._stage[: pages * self.k_page_bytes].view(host.k_buffer.dtype).view(pages, *k_view.shape[2:3], self.page_size, *k_view.shape[3:])
-            self._v_stage = self._stage[pages * self.k_page_bytes :].view(host.v_buffer.dtype).view(pages, *v_view.shape[2:3], self.page_size, *v_view.shape[3:])
+            pages = max(1, min(int(host.page_num), STAGING_BYTES // self.page_bytes))
+            self._stage = torch.empty(pages * self.page_bytes, dtype=torch.uint8)
+            start = 0
+            for view, nbytes in zip(views, self.object_bytes):
+                # (page, layer, token, head, dim): SGLang's flat-page order of a layer_first pool.
+                region = self._stage[start : start + pages * nbytes].view(view.dtype)
+                self._stages.append(region.view(pages, view.shape[2], self.page_size, *view.shape[3:]))
+                start += pages * nbytes
         self.closed = False
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page, every object."""
+        return sum(self.object_bytes)
 
     def object_names(self, keys: Sequence[str]) -> list[str]:
         """The name each page key is stored under, before its `_k` / `_v`: `{prefix}_{key}_{rank}` as SGLang names it."""
@@ -97,7 +113,7 @@ class PageStore(ABC):
         return [f"{head}{key}_{self.suffix}" for key in keys]
 
     def exists(self, keys: Sequence[str]) -> int:
-        """How many leading keys have both their K and V objects stored (SGLang's `batch_exists`); a failed lookup counts as a miss."""
+        """How many leading keys have every object stored (SGLang's `batch_exists`); a failed lookup counts as a miss."""
         self._check_usable()
         names = self.object_names(_keys(keys))
         found = self._exist(names)
@@ -109,7 +125,7 @@ class PageStore(ABC):
     def put(self, keys: Sequence[str], host_indices: torch.Tensor | Sequence[int]) -> list[bool]:
         """Store pages from the host pool: `keys[i]` is the page at `host_indices[i*P:(i+1)*P]` (all of its tokens).
 
-        Returns one bool per page: True when both its K and V objects are in
+        Returns one bool per page: True when every object of it is in
         the store afterwards (a key already stored counts as stored and is not
         copied again), False where the store refused it (full, unreachable).
         A key named more than once in the batch is stored once, from the last
@@ -127,7 +143,7 @@ class PageStore(ABC):
     def get(self, keys: Sequence[str], host_indices: torch.Tensor | Sequence[int]) -> list[bool]:
         """Read pages into the host pool at `host_indices` (all tokens of each page, in key order).
 
-        Returns one bool per page: True where both its K and V arrived.  No
+        Returns one bool per page: True where every object of it arrived.  No
         byte outside the named pages changes; a page reported False may have
         received part of its bytes (its slots are the caller's destination,
         so the caller treats them as not loaded).  A key named more than once
@@ -152,13 +168,13 @@ class PageStore(ABC):
         for batch in self._batches(host_indices, pages):
             if batch.staged:
                 self._gather(batch.pages)
-            stored += self._put(names[batch.first : batch.first + len(batch.pages)], batch.k_ptrs, batch.v_ptrs)
+            stored += self._put(names[batch.first : batch.first + len(batch.pages)], batch.ptrs)
         return stored
 
     def _get_pages(self, names: list[str], host_indices: Any, pages: np.ndarray) -> list[bool]:
         arrived: list[bool] = []
         for batch in self._batches(host_indices, pages):
-            got = self._get(names[batch.first : batch.first + len(batch.pages)], batch.k_ptrs, batch.v_ptrs)
+            got = self._get(names[batch.first : batch.first + len(batch.pages)], batch.ptrs)
             if batch.staged:
                 self._scatter(batch.pages, got)
             arrived += got
@@ -170,7 +186,7 @@ class PageStore(ABC):
 
     def _copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         src, dst = torch.tensor(sources), torch.tensor(targets)
-        for buffer in (self.host.k_buffer, self.host.v_buffer):
+        for buffer in self.host.buffers:
             view = canonical_view(buffer, self.host.layout, self.page_size)
             view[dst] = view[src]
 
@@ -190,10 +206,11 @@ class PageStore(ABC):
     def _exist(self, names: list[str]) -> list[bool]: ...
 
     @abstractmethod
-    def _put(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]: ...
+    def _put(self, names: list[str], ptrs: tuple[list[int], ...]) -> list[bool]:
+        """Store each named page from its objects' addresses (`ptrs[j][i]`: object j of page i)."""
 
     @abstractmethod
-    def _get(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]: ...
+    def _get(self, names: list[str], ptrs: tuple[list[int], ...]) -> list[bool]: ...
 
     @abstractmethod
     def _close(self) -> None: ...
@@ -201,7 +218,7 @@ class PageStore(ABC):
     def _check_usable(self) -> None:
         if self.closed:
             raise ValueError(f"{type(self).__name__}: the store is closed")
-        if getattr(self.host, "closed", False) or self.host.k_buffer is None:
+        if getattr(self.host, "closed", False) or not self.host.buffers:
             raise ValueError(f"{type(self).__name__}: its host pool was closed; close the store first")
 
     def _check_batch(self, keys: Sequence[str], host_indices: Any, unique: bool) -> tuple[list[str], np.ndarray]:
@@ -225,25 +242,25 @@ class PageStore(ABC):
     def _batches(self, host_indices: Any, pages: np.ndarray) -> Iterator[PageBatch]:
         if not pages.size:
             return
+        n = len(self.objects)
         if not self.staged:
             ptrs, sizes = self.host.get_page_buffer_meta(host_indices)
-            if len(ptrs) != 2 * pages.size or sizes[:2] != [self.k_page_bytes, self.v_page_bytes]:
+            if len(ptrs) != n * pages.size or tuple(sizes[:n]) != self.object_bytes:
                 raise RuntimeError(
-                    f"host.get_page_buffer_meta: expected [k, v] per page ({2 * pages.size} pointers of {self.k_page_bytes} and {self.v_page_bytes} bytes), "
-                    f"got {len(ptrs)} pointers, sizes {sizes[:2]}"
+                    f"host.get_page_buffer_meta: expected {n} blocks per page ({n * pages.size} pointers of {self.object_bytes} bytes), "
+                    f"got {len(ptrs)} pointers, sizes {sizes[:n]}"
                 )
-            yield PageBatch(0, ptrs[0::2], ptrs[1::2], pages, False)
+            yield PageBatch(0, tuple(ptrs[j::n] for j in range(n)), pages, False)
             return
-        chunk = self._k_stage.shape[0]
-        k_base, v_base = self._k_stage.data_ptr(), self._v_stage.data_ptr()
+        chunk = self._stages[0].shape[0]
         for first in range(0, pages.size, chunk):
             run = pages[first : first + chunk]
-            slots = range(run.size)
-            yield PageBatch(first, [k_base + i * self.k_page_bytes for i in slots], [v_base + i * self.v_page_bytes for i in slots], run, True)
+            yield PageBatch(first, tuple([stage.data_ptr() + i * nbytes for i in range(run.size)] for stage, nbytes in zip(self._stages, self.object_bytes)),
+                            run, True)
 
     def _gather(self, pages: np.ndarray) -> None:
         index = torch.from_numpy(pages)
-        for stage, buffer in ((self._k_stage, self.host.k_buffer), (self._v_stage, self.host.v_buffer)):
+        for stage, buffer in zip(self._stages, self.host.buffers):
             # canonical (page, token, layer, ...) -> the stage's (page, layer, token, ...)
             stage[: pages.size].copy_(canonical_view(buffer, self.host.layout, self.page_size)[index].transpose(1, 2))
 
@@ -252,7 +269,7 @@ class PageStore(ABC):
         if not mask.any():
             return
         index = torch.from_numpy(pages)[mask]
-        for stage, buffer in ((self._k_stage, self.host.k_buffer), (self._v_stage, self.host.v_buffer)):
+        for stage, buffer in zip(self._stages, self.host.buffers):
             view = canonical_view(buffer, self.host.layout, self.page_size)
             view[index] = stage[: pages.size][mask].transpose(1, 2)
 

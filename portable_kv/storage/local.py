@@ -1,7 +1,7 @@
 """LocalStore: pages as files in one directory; the embedded default, no server.
 
 One file per page, `{name}.bin`, holding the page's K block then its V block
-(SGLang's flat page).  A file appears whole or not at all (written under a
+(an MLA page: its latent block), SGLang's flat page.  A file appears whole or not at all (written under a
 temporary name, then renamed), so several processes can share the directory.
 """
 
@@ -42,21 +42,22 @@ class LocalStore(PageStore):
     def _exist(self, names: list[str]) -> list[bool]:
         return [self._file(name).is_file() for name in names]
 
-    def _put(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
-        return [self._write(name, k, v) for name, k, v in zip(names, k_ptrs, v_ptrs)]
+    def _put(self, names: list[str], ptrs: tuple[list[int], ...]) -> list[bool]:
+        return [self._write(name, page) for name, page in zip(names, zip(*ptrs))]
 
-    def _get(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
-        return [self._read(name, k, v) for name, k, v in zip(names, k_ptrs, v_ptrs)]
+    def _get(self, names: list[str], ptrs: tuple[list[int], ...]) -> list[bool]:
+        return [self._read(name, page) for name, page in zip(names, zip(*ptrs))]
 
-    def _write(self, name: str, k_ptr: int, v_ptr: int) -> bool:
+    def _write(self, name: str, page: tuple[int, ...]) -> bool:
+        """One page from its objects' addresses, in object order."""
         final = self._file(name)
         if final.is_file():
             return True
         partial = final.with_name(f".{final.name}.{uuid.uuid4().hex}")
         try:
             with open(partial, "wb") as out:
-                out.write(_memory(k_ptr, self.k_page_bytes))
-                out.write(_memory(v_ptr, self.v_page_bytes))
+                for ptr, nbytes in zip(page, self.object_bytes):
+                    out.write(_memory(ptr, nbytes))
             os.replace(partial, final)
             return True
         except OSError:
@@ -67,12 +68,12 @@ class LocalStore(PageStore):
             partial.unlink(missing_ok=True)
             raise
 
-    def _read(self, name: str, k_ptr: int, v_ptr: int) -> bool:
+    def _read(self, name: str, page: tuple[int, ...]) -> bool:
         try:
             with open(self._file(name), "rb") as src:
-                if os.fstat(src.fileno()).st_size != self.k_page_bytes + self.v_page_bytes:
+                if os.fstat(src.fileno()).st_size != self.page_bytes:
                     return False
-                return src.readinto(_memory(k_ptr, self.k_page_bytes)) == self.k_page_bytes and src.readinto(_memory(v_ptr, self.v_page_bytes)) == self.v_page_bytes
+                return all(src.readinto(_memory(ptr, nbytes)) == nbytes for ptr, nbytes in zip(page, self.object_bytes))
         except OSError:
             return False
 

@@ -1,6 +1,6 @@
 """MooncakeStore: pages in a Mooncake Store cluster, shared across processes, hosts and SGLang.
 
-The host pool's K and V buffers are registered with the Mooncake client once;
+The host pool's buffers (K and V, or the latent) are registered with the Mooncake client once;
 pages then move zero-copy between the pool and the cluster
 (`batch_put_from` / `batch_get_into`).  Objects are named and laid out as
 SGLang 0.5.23's Mooncake backend names and lays them out (base.py).
@@ -83,7 +83,7 @@ class MooncakeStore(PageStore):
     this client's transfer engine announces; `protocol` "tcp" or "rdma" (with
     `device_name`, e.g. "mlx5_0", for RDMA); `segment_size_gb` the memory this
     client contributes to the cluster (0: none, a pure client; otherwise at
-    least 16 MiB and at least one page's K block).  `model_name`, `tp_rank`,
+    least 16 MiB and at least one page's largest object).  `model_name`, `tp_rank`,
     `pp_rank` and `backend_tag` make the key namespace, as in SGLang.
     """
 
@@ -113,11 +113,11 @@ class MooncakeStore(PageStore):
         if isinstance(segment_size_gb, bool) or not isinstance(segment_size_gb, numbers.Real) or not math.isfinite(segment_size_gb) or segment_size_gb < 0:
             raise ValueError(f"segment_size_gb: expected a finite number >= 0, got {segment_size_gb!r}")
         self.segment_bytes = int(segment_size_gb * (1 << 30))
-        largest = max(self.k_page_bytes, self.v_page_bytes)
+        largest = max(self.object_bytes)
         if self.segment_bytes and self.segment_bytes < max(MIN_SEGMENT_BYTES, largest):
             raise ValueError(
                 f"segment_size_gb: expected 0 or at least {max(MIN_SEGMENT_BYTES, largest) / (1 << 30):.4f} GiB "
-                f"(Mooncake's minimum segment, and one page's K block of {self.k_page_bytes} bytes must fit), got {segment_size_gb}"
+                f"(Mooncake's minimum segment, and one page's object of {largest} bytes must fit), got {segment_size_gb}"
             )
         mooncake_logs.client_environment()
         try:
@@ -137,7 +137,7 @@ class MooncakeStore(PageStore):
             raise ConnectionError(f"master: Mooncake client setup against {master} failed: {describe(code)} (protocol {protocol!r}, local_hostname {local_hostname!r})")
         self._registered: list[int] = []
         try:
-            for buffer in (host.k_buffer, host.v_buffer, self._stage):
+            for buffer in (*host.buffers, self._stage):
                 if buffer is not None:
                     self._register(buffer.data_ptr(), buffer.numel() * buffer.element_size())
         except BaseException:
@@ -159,22 +159,26 @@ class MooncakeStore(PageStore):
     def _exist(self, names: list[str]) -> list[bool]:
         if self.master_unreachable:
             return [False] * len(names)
-        codes = self._client.batch_is_exist([f"{name}_{part}" for name in names for part in "kv"])
+        codes = self._client.batch_is_exist([f"{name}_{part}" for name in names for part in self.objects])
         if self._unreachable(codes):
             return [False] * len(names)
         self._warn("lookup", [c for c in codes if c < 0 and c not in UNREACHABLE])
-        return [k == 1 and v == 1 for k, v in zip(codes[0::2], codes[1::2])]
+        return [all(code == 1 for code in page) for page in self._by_page(codes)]
 
-    def _objects(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> tuple[list[str], list[int], list[int]]:
-        """Mooncake's objects of the pages, K then V of each: names, addresses, sizes."""
-        objects = [f"{name}_{part}" for name in names for part in "kv"]
-        ptrs = [p for pair in zip(k_ptrs, v_ptrs) for p in pair]
-        return objects, ptrs, [self.k_page_bytes, self.v_page_bytes] * len(names)
+    def _objects(self, names: list[str], ptrs: tuple[list[int], ...]) -> tuple[list[str], list[int], list[int]]:
+        """Mooncake's objects of the pages, each page's in turn (K then V; or its one latent object): names, addresses, sizes."""
+        objects = [f"{name}_{part}" for name in names for part in self.objects]
+        return objects, [p for page in zip(*ptrs) for p in page], list(self.object_bytes) * len(names)
 
-    def _put(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
+    def _by_page(self, codes: list[int]) -> list[tuple[int, ...]]:
+        """Per-object codes grouped by page."""
+        n = len(self.objects)
+        return [tuple(codes[i : i + n]) for i in range(0, len(codes), n)]
+
+    def _put(self, names: list[str], ptrs: tuple[list[int], ...]) -> list[bool]:
         if self.master_unreachable:
             return [False] * len(names)
-        objects, ptrs, sizes = self._objects(names, k_ptrs, v_ptrs)
+        objects, ptrs, sizes = self._objects(names, ptrs)
         # A put to a stored key succeeds without copying (Mooncake), so only the missing objects are sent.
         present = self._client.batch_is_exist(objects)
         if self._unreachable(present):
@@ -188,16 +192,16 @@ class MooncakeStore(PageStore):
                 codes[i] = code
             self._unreachable(sent)
         self._warn("put", [c for c in codes if c < 0 and c not in UNREACHABLE])
-        return [k == 0 and v == 0 for k, v in zip(codes[0::2], codes[1::2])]
+        return [all(code == 0 for code in page) for page in self._by_page(codes)]
 
-    def _get(self, names: list[str], k_ptrs: list[int], v_ptrs: list[int]) -> list[bool]:
+    def _get(self, names: list[str], ptrs: tuple[list[int], ...]) -> list[bool]:
         if self.master_unreachable:
             return [False] * len(names)
-        objects, ptrs, sizes = self._objects(names, k_ptrs, v_ptrs)
+        objects, ptrs, sizes = self._objects(names, ptrs)
         codes = self._client.batch_get_into(objects, ptrs, sizes)
         self._unreachable(codes)
         self._warn("get", [c for c in codes if c < 0 and c != -704 and c not in UNREACHABLE])
-        return [k == self.k_page_bytes and v == self.v_page_bytes for k, v in zip(codes[0::2], codes[1::2])]
+        return [tuple(page) == self.object_bytes for page in self._by_page(codes)]
 
     def _warn(self, what: str, failures: list[int]) -> None:
         if failures:

@@ -14,10 +14,22 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvspec import bits, host_row, page_tokens, randomize
+from kvspec import (
+    KIND_LAYOUTS,
+    bits,
+    device_buffers,
+    device_pool,
+    every_tensor,
+    host_buffers,
+    host_pool,
+    host_row,
+    page_tokens,
+    pool_layouts,
+    randomize,
+)
 
 import portable_kv as pk
-from portable_kv.layout import LAYOUTS, PAGE_LAYOUTS
+from portable_kv.layout import PAGE_LAYOUTS
 
 VIEWS = ("contiguous", "strided", "offset", "expanded", "int32")
 
@@ -39,21 +51,20 @@ def as_view(values: torch.Tensor, view: str, device: torch.device) -> torch.Tens
 def expected_after(dev, host, host_idx, dev_idx, layers, to_device):
     """The oracle: each (token, layer) row copied one by one, from the docs' shape table."""
     P = host.page_size
-    dev_k = [bits(t) for t in dev.k_buffer]
-    dev_v = [bits(t) for t in dev.v_buffer]
-    host_k, host_v = bits(host.k_buffer), bits(host.v_buffer)
+    devs = [[bits(t) for t in layers] for layers in device_buffers(dev)]
+    hosts = [bits(t) for t in host_buffers(host)]
     for h, d in zip(host_idx.tolist(), dev_idx.tolist()):
         for layer in layers:
-            for dev_side, host_side in ((dev_k, host_k), (dev_v, host_v)):
+            for dev_side, host_side in zip(devs, hosts):
                 if to_device:
                     dev_side[layer][d] = host_row(host_side, host.layout, P, h, layer).to(dev_side[layer].device)
                 else:
                     host_row(host_side, host.layout, P, h, layer).copy_(dev_side[layer][d].cpu())
-    return dev_k + dev_v + [host_k, host_v]
+    return [t for side in devs for t in side] + hosts
 
 
 def state(dev, host):
-    return [bits(t) for t in list(dev.k_buffer) + list(dev.v_buffer)] + [bits(host.k_buffer), bits(host.v_buffer)]
+    return [bits(t) for t in every_tensor(dev, host)]
 
 
 def busy_stream_indices(values: torch.Tensor, view: str, device: torch.device) -> torch.Tensor:
@@ -68,7 +79,8 @@ def busy_stream_indices(values: torch.Tensor, view: str, device: torch.device) -
 def engine_calls(draw, gpu: bool):
     page_size = draw(st.sampled_from([1, 4, 8]))
     pages = draw(st.integers(2, 5))
-    layout = draw(st.sampled_from(LAYOUTS))
+    kind = draw(st.sampled_from(("MHA", "MLA")))
+    layout = draw(st.sampled_from(KIND_LAYOUTS[kind]))
     n_pages = draw(st.integers(1, pages))
     dev_pages = torch.tensor(draw(st.permutations(range(pages)))[:n_pages])
     host_pages = torch.tensor(draw(st.permutations(range(2 * pages)))[:n_pages])
@@ -80,15 +92,15 @@ def engine_calls(draw, gpu: bool):
     host_device, dev_device = draw(st.sampled_from(devices)), draw(st.sampled_from(devices))
     busy = gpu and draw(st.booleans())
     all_layers = draw(st.booleans())
-    return page_size, pages, layout, host_idx, dev_idx, to_device, source_view, destination_view, host_device, dev_device, busy, all_layers, draw(st.integers(0, 2**31))
+    return kind, page_size, pages, layout, host_idx, dev_idx, to_device, source_view, destination_view, host_device, dev_device, busy, all_layers, draw(st.integers(0, 2**31))
 
 
 def _run_engine_call(backend, io, call):
-    page_size, pages, layout, host_idx, dev_idx, to_device, source_view, destination_view, host_device, dev_device, busy, all_layers, seed = call
+    kind, page_size, pages, layout, host_idx, dev_idx, to_device, source_view, destination_view, host_device, dev_device, busy, all_layers, seed = call
     gen = torch.Generator().manual_seed(seed)
-    dev = pk.DeviceKVPool(2, pages * page_size, page_size, 2, 8, 4, dtype=torch.bfloat16)
-    host = pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io)
-    for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+    dev = device_pool(kind, 2, pages * page_size, page_size, torch.bfloat16, k_heads=2, k_dim=8, v_heads=2, v_dim=4, latent_dim=12)
+    host = host_pool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io)
+    for t in every_tensor(dev, host):
         randomize(t, gen)
     host_view, dev_view = (source_view, destination_view) if to_device else (destination_view, source_view)
     if host_view == "expanded":
@@ -151,18 +163,19 @@ def test_cpu_indices_rewritten_through_numpy_are_never_served_stale(backend, io)
     assert all(torch.equal(a, b) for a, b in zip(before, state(dev, host)))
 
 
+@pytest.mark.parametrize("kind", ("MHA", "MLA"))
 @pytest.mark.parametrize("io", ["kernel", "direct"])
-def test_closed_and_dropped_pools_release_their_host_memory(backend, io):
+def test_closed_and_dropped_pools_release_their_host_memory(backend, io, kind):
     if io not in backend.io_backends:
         pytest.skip(f"{backend.name} has no {io} path")
-    dev = pk.DeviceKVPool(2, 64, 4, 2, 8, 4, dtype=torch.float16)
+    dev = device_pool(kind, 2, 64, 4, torch.float16)
     idx = torch.arange(16)
     alive = []
     for i in range(24):
-        host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io)
+        host = host_pool(dev, layout="page_first_direct", io_backend=io)
         host.backup_from_device_all_layer(dev, idx, idx.to(dev.device))
         host.load_to_device_per_layer(dev, idx, idx.to(dev.device), 1)
-        alive += [weakref.ref(host.k_buffer), weakref.ref(host.v_buffer)]
+        alive += [weakref.ref(buffer) for buffer in host_buffers(host)]
         if i % 2:
             host.close()
         del host
@@ -171,20 +184,20 @@ def test_closed_and_dropped_pools_release_their_host_memory(backend, io):
     assert sum(ref() is not None for ref in alive) == 0, "host buffers outlived their pools"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind, layout", pool_layouts())
 @pytest.mark.parametrize("io", ["kernel", "direct", "staged", "auto"])
-def test_close_gives_the_memory_back_while_the_pool_object_lives(backend, io, layout):
+def test_close_gives_the_memory_back_while_the_pool_object_lives(backend, io, kind, layout):
     """Engines keep the pool object (controller, radix cache, storage backend all hold it)
-    and call close() to give the memory back: nothing of the pool may keep K or V alive."""
+    and call close() to give the memory back: nothing of the pool may keep a buffer alive."""
     if io not in backend.io_backends:
         pytest.skip(f"{backend.name} has no {io} path")
-    dev = pk.DeviceKVPool(2, 64, 4, 2, 8, 4, dtype=torch.float16, device=backend.device)
-    host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=io)
+    dev = device_pool(kind, 2, 64, 4, torch.float16, device=backend.device)
+    host = host_pool(dev, layout=layout, io_backend=io)
     idx = torch.arange(16)
     host.backup_from_device_all_layer(dev, idx, idx.to(dev.device))
     host.load_to_device_per_layer(dev, idx, idx.to(dev.device), 1)
     host.get_data_page(0)
-    buffers = [weakref.ref(host.k_buffer), weakref.ref(host.v_buffer)]
+    buffers = [weakref.ref(buffer) for buffer in host_buffers(host)]
     host.close()
     gc.collect()
     assert all(ref() is None for ref in buffers), "close() left the host buffers alive behind the pool object"
@@ -192,20 +205,21 @@ def test_close_gives_the_memory_back_while_the_pool_object_lives(backend, io, la
         host.load_to_device_per_layer(dev, idx, idx.to(dev.device), 0)
 
 
+@pytest.mark.parametrize("kind", ("MHA", "MLA"))
 @pytest.mark.parametrize("io", ["kernel", "direct", "staged", "auto"])
-def test_a_device_pool_the_engine_dropped_is_not_kept(backend, io):
+def test_a_device_pool_the_engine_dropped_is_not_kept(backend, io, kind):
     """An engine that moves on to a new device pool (a resize, a restart of its model
     runner) gets the old one's memory back: nothing a host pool caches holds it."""
     if io not in backend.io_backends:
         pytest.skip(f"{backend.name} has no {io} path")
-    old, new = (pk.DeviceKVPool(2, 64, 4, 2, 8, 8, dtype=torch.float16, device=backend.device) for _ in range(2))
-    host = pk.AsymmetricHostPool(old, host_to_device_ratio=1, layout="page_first_direct", io_backend=io)
+    old, new = (device_pool(kind, 2, 64, 4, torch.float16, device=backend.device) for _ in range(2))
+    host = host_pool(old, host_to_device_ratio=1, layout="page_first_direct", io_backend=io)
     idx = torch.arange(0, 8)
     host.load_to_device_all_layer(old, idx, idx.to(backend.device))
     host.backup_from_device_per_layer(old, idx, idx.to(backend.device), 1)
     host.load_to_device_all_layer(new, idx, idx.to(backend.device))
     backend.synchronize()
-    dropped = [weakref.ref(t) for t in old.k_buffer + old.v_buffer]
+    dropped = [weakref.ref(t) for t in every_tensor(old)]
     del old
     gc.collect()
     assert all(ref() is None for ref in dropped), "the host pool keeps a dropped device pool's buffers alive"

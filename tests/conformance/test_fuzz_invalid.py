@@ -1,5 +1,5 @@
 """Fuzzing invalid input: every drawn bad call raises the documented error and leaves
-both pools byte-identical, on every backend."""
+both pools byte-identical, on every backend and pool kind."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvspec import assert_same, randomize, snapshot
+from kvspec import KIND_LAYOUTS, assert_same, device_pool, every_tensor, host_pool, randomize, snapshot
 
-import portable_kv as pk
 from portable_kv import backends
-from portable_kv.layout import LAYOUTS, PAGE_LAYOUTS
+from portable_kv.layout import PAGE_LAYOUTS
 
 P, TOKENS = 4, 32
 
@@ -29,7 +28,8 @@ MUTATIONS = {
 
 @st.composite
 def bad_calls(draw):
-    layout = draw(st.sampled_from(LAYOUTS))
+    kind = draw(st.sampled_from(("MHA", "MLA")))
+    layout = draw(st.sampled_from(KIND_LAYOUTS[kind]))
     pages = draw(st.integers(2, 4))
     dev_pages = draw(st.permutations(range(TOKENS // P)))[:pages]
     host_pages = draw(st.permutations(range(2 * TOKENS // P)))[:pages]
@@ -47,21 +47,21 @@ def bad_calls(draw):
     if mutation == "duplicate destination" and op.startswith("backup"):
         h, d = d, h  # on a backup the host side is the destination
         h = h % (2 * TOKENS)
-    return layout, mutation, op, h, d, error
+    return kind, layout, mutation, op, h, d, error
 
 
 @pytest.mark.parametrize("name", backends.available())
 def test_invalid_calls_change_nothing(name):
     @given(bad_calls())
     def check(case):
-        layout, mutation, op, h, d, error = case
+        kind, layout, mutation, op, h, d, error = case
         before_backend = backends.current().name
         backends.use(name)
         try:
-            dev = pk.DeviceKVPool(2, TOKENS, P, 2, 8, 4, dtype=torch.float16)
-            host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=backends.current().io_backends[0])
+            dev = device_pool(kind, 2, TOKENS, P, torch.float16, k_heads=2, k_dim=8, v_heads=2, v_dim=4, latent_dim=12)
+            host = host_pool(dev, layout=layout, io_backend=backends.current().io_backends[0])
             gen = torch.Generator().manual_seed(0)
-            for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+            for t in every_tensor(dev, host):
                 randomize(t, gen)
             before = snapshot(dev, host)
             args = (dev, h, d, 1) if op.endswith("per_layer") else (dev, h, d)

@@ -1,32 +1,29 @@
-"""Property: every backend moves exactly the bytes the CPU oracle moves, on drawn shapes and indices."""
+"""Property: every backend moves exactly the bytes the CPU oracle moves, on drawn pool kinds, shapes and indices."""
 
 from __future__ import annotations
 
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kvspec import bits, randomize
+from kvspec import KIND_LAYOUTS, bits, device_pool, every_tensor, host_pool, randomize
 
-import portable_kv as pk
 from portable_kv import backends
-from portable_kv.layout import LAYOUTS, PAGE_LAYOUTS
+from portable_kv.layout import PAGE_LAYOUTS
 
 
 @st.composite
 def transfers(draw):
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     pages = draw(st.integers(2, 6))
-    shape = dict(
-        num_layers=draw(st.integers(1, 3)),
-        num_tokens=pages * page_size,
-        page_size=page_size,
-        k_heads=draw(st.integers(1, 4)),
-        k_head_dim=draw(st.sampled_from([1, 3, 8, 24])),
-        v_head_dim=draw(st.sampled_from([1, 2, 8, 16])),
-        v_heads=draw(st.integers(1, 4)),
-        dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])),
-    )
-    layout = draw(st.sampled_from(LAYOUTS))
+    kind = draw(st.sampled_from(("MHA", "MLA")))
+    shape = dict(kind=kind, layers=draw(st.integers(1, 3)), tokens=pages * page_size, page_size=page_size,
+                 dtype=draw(st.sampled_from([torch.float16, torch.bfloat16])))
+    if kind == "MLA":
+        shape.update(latent_dim=draw(st.sampled_from([1, 3, 40, 576])))
+    else:
+        shape.update(k_heads=draw(st.integers(1, 4)), k_dim=draw(st.sampled_from([1, 3, 8, 24])),
+                     v_heads=draw(st.integers(1, 4)), v_dim=draw(st.sampled_from([1, 2, 8, 16])))
+    layout = draw(st.sampled_from(KIND_LAYOUTS[kind]))
     host_pages = pages * 2
     n_pages = draw(st.integers(1, pages))
     if layout in PAGE_LAYOUTS:
@@ -40,7 +37,7 @@ def transfers(draw):
         dev_idx = torch.tensor(draw(st.permutations(range(pages * page_size)))[:n])
         host_idx = torch.tensor(draw(st.permutations(range(host_pages * page_size)))[:n])
     op = draw(st.sampled_from(["load_layer", "load_all", "backup_layer", "backup_all"]))
-    layer = draw(st.integers(0, shape["num_layers"] - 1))
+    layer = draw(st.integers(0, shape["layers"] - 1))
     return shape, layout, host_idx, dev_idx, op, layer, draw(st.integers(0, 2**31))
 
 
@@ -49,9 +46,9 @@ def run(backend_name, io, shape, layout, host_idx, dev_idx, op, layer, seed):
     backends.use(backend_name)
     try:
         gen = torch.Generator().manual_seed(seed)
-        dev = pk.DeviceKVPool(**shape)
-        host = pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io)
-        for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+        dev = device_pool(**shape)
+        host = host_pool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io)
+        for t in every_tensor(dev, host):
             randomize(t, gen)
         dev_idx = dev_idx.to(dev.device)
         if op == "load_layer":
@@ -63,7 +60,7 @@ def run(backend_name, io, shape, layout, host_idx, dev_idx, op, layer, seed):
         else:
             host.backup_from_device_all_layer(dev, host_idx, dev_idx)
         host.backend.synchronize()
-        return [bits(t) for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]]
+        return [bits(t) for t in every_tensor(dev, host)]
     finally:
         backends.use(before)
 

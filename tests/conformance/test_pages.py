@@ -1,4 +1,4 @@
-"""Pages for storage tiers (docs/API.md): SGLang's byte order, views and page addresses, per layout."""
+"""Pages for storage tiers (docs/API.md): SGLang's byte order, views and page addresses, per pool kind and layout."""
 
 from __future__ import annotations
 
@@ -7,14 +7,25 @@ import ctypes
 import numpy as np
 import pytest
 import torch
-from kvspec import assert_same, bits, host_row, randomize, snapshot
-
-import portable_kv as pk
-from portable_kv.layout import LAYOUTS
+from kvspec import (
+    LATENT_DIM,
+    assert_same,
+    bits,
+    device_pool,
+    host_buffers,
+    host_pool,
+    host_row,
+    kind_of,
+    pool_layout_pairs,
+    randomize,
+    snapshot,
+)
 
 P, L, K_HEADS, K_DIM, V_HEADS, V_DIM = 4, 3, 2, 24, 2, 16
 PAGE_MAJOR = ("page_first", "page_first_direct", "page_head")
-# The K block of a flat page, as SGLang's MHA host pool orders it: axes by name.
+# (heads, head_dim) of each buffer of a page: K and V, or MLA's latent.
+ROWS = {"MHA": ((K_HEADS, K_DIM), (V_HEADS, V_DIM)), "MLA": ((1, LATENT_DIM),)}
+# A buffer's block of a flat page, as SGLang's host pools order it (MLA's the same, with one head): axes by name.
 FLAT_ORDER = {
     "layer_first": "lphd",
     "page_first": "plhd",
@@ -23,11 +34,12 @@ FLAT_ORDER = {
 }
 
 
-@pytest.fixture(params=LAYOUTS)
+@pytest.fixture(params=pool_layout_pairs())
 def pools(request, backend, gen):
-    dev = pk.DeviceKVPool(L, 64, P, K_HEADS, K_DIM, V_DIM, v_heads=V_HEADS, dtype=torch.bfloat16)
-    host = pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=request.param, io_backend=backend.io_backends[0])
-    for t in (host.k_buffer, host.v_buffer):
+    kind, layout = request.param
+    dev = device_pool(kind, L, 64, P, torch.bfloat16, k_heads=K_HEADS, k_dim=K_DIM, v_heads=V_HEADS, v_dim=V_DIM)
+    host = host_pool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=backend.io_backends[0])
+    for t in host_buffers(host):
         randomize(t, gen)
     yield dev, host
     host.close()
@@ -46,7 +58,7 @@ def raw(ptr, nbytes):
 def test_flat_page_is_k_then_v_in_the_layouts_order(pools):
     _, host = pools
     flat = host.get_data_page(3 * P)
-    expected = torch.cat([expected_block(host.k_buffer, host.layout, 3 * P), expected_block(host.v_buffer, host.layout, 3 * P)])
+    expected = torch.cat([expected_block(buffer, host.layout, 3 * P) for buffer in host_buffers(host)])
     assert torch.equal(bits(flat), bits(expected))
     assert flat.numel() == host.flat_page_numel == host.get_dummy_flat_data_page().numel()
 
@@ -61,17 +73,21 @@ def test_set_from_flat_writes_one_page_only(pools):
 
 
 def test_flat_false_gives_views_into_the_pool(pools):
+    """(k, v) views of an MHA pool, the one latent view of an MLA pool, as SGLang's pools give them."""
     _, host = pools
-    k, v = host.get_data_page(2 * P, flat=False)
+    views = host.get_data_page(2 * P, flat=False)
+    views = views if kind_of(host) == "MHA" else (views,)
     shape = {
         "layer_first": (L, P), "page_first": (P, L), "page_first_direct": (1, L, P), "page_head": (1, K_HEADS, P),
     }[host.layout]
-    assert tuple(k.shape[: len(shape)]) == shape
-    k.fill_(1.5)
-    v.fill_(-2.0)  # a storage tier reading a page writes straight into the pool
-    flat = host.get_data_page(2 * P)
-    k_numel = L * P * K_HEADS * K_DIM
-    assert bool((flat[:k_numel] == 1.5).all()) and bool((flat[k_numel:] == -2.0).all())
+    assert len(views) == len(ROWS[kind_of(host)]) and all(tuple(v.shape[: len(shape)]) == shape for v in views)
+    for n, view in enumerate(views):
+        view.fill_(1.5 - 3.5 * n)  # a storage tier reading a page writes straight into the pool
+    flat, start = host.get_data_page(2 * P), 0
+    for n, (heads, dim) in enumerate(ROWS[kind_of(host)]):
+        assert bool((flat[start : start + L * P * heads * dim] == 1.5 - 3.5 * n).all())
+        start += L * P * heads * dim
+    assert start == flat.numel()
 
 
 @pytest.mark.parametrize("as_", ["tensor", "list"])
@@ -80,14 +96,16 @@ def test_page_buffer_meta_takes_every_token_of_the_pages(pools, as_):
     pages = [5, 0, 9]
     tokens = [p * P + t for p in pages for t in range(P)]
     ptrs, sizes = host.get_page_buffer_meta(torch.tensor(tokens) if as_ == "tensor" else tokens)
-    per_page = 2 if host.layout in PAGE_MAJOR else 2 * L
+    buffers = len(ROWS[kind_of(host)])
+    per_page = buffers if host.layout in PAGE_MAJOR else buffers * L
     assert len(ptrs) == len(sizes) == per_page * len(pages)
     for n, page in enumerate(pages):
-        k, v = host.get_data_page(page * P, flat=False)
+        views = host.get_data_page(page * P, flat=False)
+        views = views if buffers > 1 else (views,)
         if host.layout in PAGE_MAJOR:
-            blocks = [k, v]  # [k, v] per page, each the page's contiguous block
+            blocks = list(views)  # [k, v] (MLA: [kv]) per page, each the page's contiguous block
         else:
-            blocks = [b for layer in range(L) for b in (k[layer], v[layer])]  # per page, per layer [k, v]
+            blocks = [view[layer] for layer in range(L) for view in views]  # per page, per layer [k, v] (MLA: [kv])
         for j, block in enumerate(blocks):
             assert block.is_contiguous()
             i = n * per_page + j
@@ -151,14 +169,17 @@ def test_split_heads_meta_on_page_head(pools):
 
 
 def test_sizes_and_buffers(pools):
+    """SGLang's sizes: K per token and K+V per token over all layers; an MLA pool's are both its latent row's."""
     _, host = pools
     itemsize = host.dtype.itemsize
-    assert host.get_ksize_per_token() == L * K_HEADS * K_DIM * itemsize
-    assert host.get_size_per_token() == host.size_per_token == L * (K_HEADS * K_DIM + V_HEADS * V_DIM) * itemsize
-    page_k = P * K_HEADS * K_DIM * itemsize
+    rows = ROWS[kind_of(host)]
+    assert host.get_ksize_per_token() == L * rows[0][0] * rows[0][1] * itemsize
+    assert host.get_size_per_token() == host.size_per_token == L * sum(h * d for h, d in rows) * itemsize
+    page_k = P * rows[0][0] * rows[0][1] * itemsize
     assert host.get_page_buffer_element_size() == (L * page_k if host.layout in PAGE_MAJOR else page_k)
-    assert host.kv_buffer == (host.k_buffer, host.v_buffer)
-    assert host.get_hybrid_pool_buffer() == [host.k_buffer, host.v_buffer]
+    if kind_of(host) == "MHA":
+        assert host.kv_buffer == (host.k_buffer, host.v_buffer)
+    assert host.get_hybrid_pool_buffer() == host_buffers(host)
     assert host.storage_format_tag is None and host.dcp_size == 1
     assert host.logical_size == host.size and host.logical_page_size == P
     assert (host.start_layer, host.end_layer) == (0, L)
@@ -166,8 +187,8 @@ def test_sizes_and_buffers(pools):
 
 def test_stride_alignment(pools):
     _, host = pools
-    # One K page is L*P*H*D*2 = 576 bytes, one V page 384: both multiples of 64, not of 4096.
-    aligned = all(b.data_ptr() % 64 == 0 for b in (host.k_buffer, host.v_buffer))
+    # One K page is L*P*H*D*2 = 576 bytes, one V page 384, one latent page 960: multiples of 64, not of 4096.
+    aligned = all(b.data_ptr() % 64 == 0 for b in host_buffers(host))
     assert host.is_stride_page_aligned(64) == (host.layout in PAGE_MAJOR and aligned)
     assert not host.is_stride_page_aligned(4096)
 
@@ -175,7 +196,7 @@ def test_stride_alignment(pools):
 def test_closed_pool(pools):
     _, host = pools
     host.destroy()
-    assert host.kv_buffer is None
+    assert host.kv_buffer is None and host.buffers == ()
     with pytest.raises(ValueError, match="closed"):
         host.get_page_buffer_meta(list(range(P)))
     for call in (lambda: host.alloc(P), lambda: host.free(torch.arange(P)), host.available_size, host.clear):

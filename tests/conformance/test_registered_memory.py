@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from kvspec import bits, page_tokens, randomize
+from kvspec import bits, device_pool, every_tensor, host_buffers, host_pool, page_tokens, pool_layouts, randomize
 
 import portable_kv as pk
 from portable_kv import host_memory
@@ -37,17 +37,18 @@ def recorded(monkeypatch, backend):
 
 
 @pytest.mark.parametrize("io", ["direct", "kernel"])
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head"])
-def test_registered_pool_roundtrip_and_pieces(backend, recorded, layout, io, gen):
+@pytest.mark.parametrize("kind, layout", pool_layouts(("page_first", "page_first_direct", "page_head")))
+def test_registered_pool_roundtrip_and_pieces(backend, recorded, kind, layout, io, gen):
     if io not in backend.io_backends or (io == "kernel" and not backend.kernel_reads_registered_memory):
         pytest.skip(f"{backend.name} has no {io} path over registered memory")
-    dev = pk.DeviceKVPool(2, 64, 4, 2, 24, 16, dtype=torch.bfloat16)
-    host = pk.AsymmetricHostPool(dev, layout=layout, io_backend=io, host_memory="registered")
-    k_pieces = [r for r in recorded["register"] if host.k_buffer.data_ptr() <= r[0] < host.k_buffer.data_ptr() + host.k_buffer.numel() * 2]
-    page_bytes = host.k_buffer.numel() * 2 // host.page_num
-    assert all(size % page_bytes == 0 for _, size in k_pieces), "pieces are whole pages"
-    assert sum(size for _, size in k_pieces) == host.k_buffer.numel() * 2 and len(k_pieces) > 1
-    for t in dev.k_buffer + dev.v_buffer:
+    dev = device_pool(kind, 2, 64, 4, torch.bfloat16)
+    host = host_pool(dev, layout=layout, io_backend=io, host_memory="registered")
+    first = host_buffers(host)[0]
+    pieces = [r for r in recorded["register"] if first.data_ptr() <= r[0] < first.data_ptr() + first.numel() * 2]
+    page_bytes = first.numel() * 2 // host.page_num
+    assert all(size % page_bytes == 0 for _, size in pieces), "pieces are whole pages"
+    assert sum(size for _, size in pieces) == first.numel() * 2 and len(pieces) > 1
+    for t in every_tensor(dev):
         randomize(t, gen)
     # Consecutive host pages across a piece boundary: a merged run would span two registrations.
     host_idx = torch.arange(0, 40)
@@ -59,12 +60,12 @@ def test_registered_pool_roundtrip_and_pieces(backend, recorded, layout, io, gen
     ranges = sorted(recorded["register"])
     for dst, size in zip(batch.dst.tolist(), batch.sizes.tolist()):
         assert any(a <= dst and dst + size <= a + n for a, n in ranges), "a copy spans two registrations"
-    original = [bits(t[dev_idx]) for t in dev.k_buffer + dev.v_buffer]
-    for t in dev.k_buffer + dev.v_buffer:
+    original = [bits(t[dev_idx]) for t in every_tensor(dev)]
+    for t in every_tensor(dev):
         t.zero_()
     host.load_to_device_all_layer(dev, host_idx, dev_idx)
     backend.synchronize()
-    for got, want in zip([bits(t[dev_idx]) for t in dev.k_buffer + dev.v_buffer], original):
+    for got, want in zip([bits(t[dev_idx]) for t in every_tensor(dev)], original):
         assert torch.equal(got, want)
     host.close()
     assert sorted(recorded["unregister"]) == sorted(a for a, _ in recorded["register"])

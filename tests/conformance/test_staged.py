@@ -1,6 +1,6 @@
 """The staged and auto io paths against the CPU oracle: every backend that offers them x
-layout x page size x placement of the host pages x staging size, each way, one layer
-and all layers, bit for bit.  A small staging size cuts a transfer into many chunks
+pool kind x layout x page size x placement of the host pages x staging size, each way,
+one layer and all layers, bit for bit.  A small staging size cuts a transfer into many chunks
 (both slots in turn); a tiny one leaves a slot too small for a page (the kernel path
 then moves it)."""
 
@@ -10,10 +10,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kvspec import DTYPES, TOKEN_LAYOUTS, bits, randomize
+from kvspec import DTYPES, TOKEN_LAYOUTS, bits, device_buffers, device_pool, every_tensor, host_buffers, host_pool, pool_layouts, randomize
 from test_oracle import run
 
-import portable_kv as pk
 from portable_kv.allocator import PageRunAllocator
 from portable_kv.io import staged
 from portable_kv.layout import LAYOUTS
@@ -50,16 +49,16 @@ def placement(kind: str, layout: str, page_size: int, gen: torch.Generator) -> t
     return (pages[:, None] * page_size + offsets).reshape(-1), (device_pages[:, None] * page_size + offsets).reshape(-1)
 
 
-def shape(page_size: int, dtype: torch.dtype = torch.bfloat16, **geometry: int) -> dict:
-    return dict(num_layers=3, num_tokens=PAGES * page_size, page_size=page_size, k_heads=geometry.get("k_heads", 2),
-                k_head_dim=geometry.get("k_dim", 24), v_head_dim=geometry.get("v_dim", 16), v_heads=geometry.get("v_heads", 2), dtype=dtype)
+def shape(page_size: int, dtype: torch.dtype = torch.bfloat16, pool: str = "MHA", **geometry: int) -> dict:
+    """kvspec.device_pool's arguments: 3 layers of PAGES pages, K 2x24 and V 2x16 (or the latent) unless given."""
+    return dict(kind=pool, layers=3, tokens=PAGES * page_size, page_size=page_size, dtype=dtype, **geometry)
 
 
 def check_against_oracle(backend, io: str, case_shape: dict, layout: str, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
     if io not in backend.io_backends:
         pytest.skip(f"backend {backend.name} has no {io} io backend")
     for n, op in enumerate(OPS):
-        layer = n % case_shape["num_layers"]
+        layer = n % case_shape["layers"]
         expected = run("cpu", "kernel", case_shape, layout, host_idx, dev_idx, op, layer, n)
         got = run(backend.name, io, case_shape, layout, host_idx, dev_idx, op, layer, n)
         for buffer, (a, b) in enumerate(zip(got, expected)):
@@ -70,19 +69,19 @@ def check_against_oracle(backend, io: str, case_shape: dict, layout: str, host_i
 @pytest.mark.parametrize("kind", ("runs", "random", "allocator", "tokens"))
 @pytest.mark.parametrize("page_size", (1, 4, 16))
 @pytest.mark.parametrize("io", STAGED_IOS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_staged_matches_oracle(backend, layout, io, page_size, kind, staging, monkeypatch, gen):
+@pytest.mark.parametrize("pool, layout", pool_layouts())
+def test_staged_matches_oracle(backend, pool, layout, io, page_size, kind, staging, monkeypatch, gen):
     if STAGING[staging] is not None:
         monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(STAGING[staging]))
     host_idx, dev_idx = placement(kind, layout, page_size, gen)
-    check_against_oracle(backend, io, shape(page_size), layout, host_idx, dev_idx)
+    check_against_oracle(backend, io, shape(page_size, pool=pool), layout, host_idx, dev_idx)
 
 
 @pytest.mark.parametrize("staging", ("default", "small"))
 @pytest.mark.parametrize("kind", ("runs", "allocator"))
 @pytest.mark.parametrize("page_size", (1, 4, 16))
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_batched_copies_match_oracle(backend, layout, page_size, kind, staging, monkeypatch, gen):
+@pytest.mark.parametrize("pool, layout", pool_layouts())
+def test_batched_copies_match_oracle(backend, pool, layout, page_size, kind, staging, monkeypatch, gen):
     """The host-side copies as their rows in one batched call a chunk (where a GPU's rule
     sees rows of 1 MiB on average; here every plan), bit for bit."""
     if backend.device.type != "cpu":
@@ -91,7 +90,7 @@ def test_batched_copies_match_oracle(backend, layout, page_size, kind, staging, 
     if STAGING[staging] is not None:
         monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(STAGING[staging]))
     host_idx, dev_idx = placement(kind, layout, page_size, gen)
-    check_against_oracle(backend, "staged", shape(page_size), layout, host_idx, dev_idx)
+    check_against_oracle(backend, "staged", shape(page_size, pool=pool), layout, host_idx, dev_idx)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -103,45 +102,59 @@ def test_staged_dtypes_and_head_counts(backend, layout, io, dtype, gen):
     check_against_oracle(backend, io, shape(4, dtype, k_heads=8, k_dim=16, v_heads=1, v_dim=3), layout, host_idx, dev_idx)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("io", STAGED_IOS)
-def test_indices_as_engines_pass_them(backend, io, gen):
+@pytest.mark.parametrize("pool, layout", pool_layouts(kinds=("MLA",)))
+def test_staged_latent_widths(backend, pool, layout, io, dtype, gen):
+    """MLA rows of every element width: DeepSeek-V3's 576 elements, and an odd 3 (the copy widths differ)."""
+    host_idx, dev_idx = placement("runs", layout, 4, gen)
+    for latent_dim in (576, 3):
+        check_against_oracle(backend, io, shape(4, dtype, pool, latent_dim=latent_dim), layout, host_idx, dev_idx)
+
+
+@pytest.mark.parametrize("io", STAGED_IOS)
+@pytest.mark.parametrize("pool", ("MHA", "MLA"))
+def test_indices_as_engines_pass_them(backend, pool, io, gen):
     """int32, strided views, and device indices on the backend's device."""
     if io not in backend.io_backends:
         pytest.skip(f"backend {backend.name} has no {io} io backend")
     P = 4
-    dev = pk.DeviceKVPool(3, PAGES * P, P, 2, 24, 16, dtype=torch.bfloat16)
-    host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io)
-    for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+    dev = device_pool(pool, 3, PAGES * P, P)
+    host = host_pool(dev, layout="page_first_direct", io_backend=io)
+    for t in every_tensor(dev, host):
         randomize(t, gen)
+    first = device_buffers(dev)[0]
     host_idx = torch.arange(8 * P, 14 * P).to(torch.int32)
     dev_idx = torch.stack((torch.arange(0, 6 * P), torch.zeros(6 * P, dtype=torch.int64)), 1)[:, 0].to(dev.device)
-    expected = [bits(dev.k_buffer[l][dev_idx]) for l in range(3)]
+    expected = [bits(first[l][dev_idx]) for l in range(3)]
     host.backup_from_device_all_layer(dev, host_idx, dev_idx)
-    for b in dev.k_buffer:
+    for b in first:
         b.zero_()
     for layer in range(3):
         host.load_to_device_per_layer(dev, host_idx, dev_idx, layer)
     host.backend.synchronize()
     for layer in range(3):
-        assert torch.equal(bits(dev.k_buffer[layer][dev_idx]), expected[layer])
+        assert torch.equal(bits(first[layer][dev_idx]), expected[layer])
     host.close()
 
 
-def test_unvalidated_bad_index_is_skipped_and_flagged(backend, gen):
+@pytest.mark.parametrize("pool", ("MHA", "MLA"))
+def test_unvalidated_bad_index_is_skipped_and_flagged(backend, pool, gen):
     """validate=False: a token outside a pool is left out (the kernel path moves the call), and the next call raises."""
     if "staged" not in backend.io_backends:
         pytest.skip(f"backend {backend.name} has no staged io backend")
     P = 4
-    dev = pk.DeviceKVPool(2, PAGES * P, P, 2, 24, 16, dtype=torch.bfloat16)
-    host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="staged", validate=False)
-    randomize(dev.k_buffer[0], gen)
-    host.k_buffer.zero_()
+    dev = device_pool(pool, 2, PAGES * P, P)
+    host = host_pool(dev, layout="page_first_direct", io_backend="staged", validate=False)
+    first, host_first = device_buffers(dev)[0], host_buffers(host)[0]
+    randomize(first[0], gen)
+    host_first.zero_()
     host_idx = torch.arange(2 * P)
     dev_idx = torch.cat((torch.arange(P), torch.arange(P) + 10**6)).to(dev.device)
     host.backup_from_device_per_layer(dev, host_idx, dev_idx, 0)
     host.backend.synchronize()
-    assert torch.equal(bits(host.k_buffer[0, 0]), bits(dev.k_buffer[0][:P].cpu()))
-    assert not bits(host.k_buffer[1]).any()
+    assert torch.equal(bits(host_first[0, 0]), bits(first[0][:P].cpu()))
+    assert not bits(host_first[1]).any()
     with pytest.raises(RuntimeError, match="outside the pools"):
         host.backup_from_device_per_layer(dev, host_idx[:P], dev_idx[:P], 0)
     host.backup_from_device_per_layer(dev, host_idx[:P], dev_idx[:P], 0)

@@ -4,19 +4,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvspec import assert_same, bits, host_row, page_tokens, randomize, snapshot
+from kvspec import (
+    BUFFERS,
+    assert_same,
+    bits,
+    device_pool,
+    every_tensor,
+    host_buffers,
+    host_pool,
+    host_row,
+    kind_of,
+    page_tokens,
+    pool_layout_pairs,
+    randomize,
+    snapshot,
+)
 
 import portable_kv as pk
-from portable_kv.layout import LAYOUTS
 
 P = 4
+GEOMETRY = dict(k_heads=2, k_dim=8, v_heads=1, v_dim=4, latent_dim=12)
 
 
-@pytest.fixture(params=LAYOUTS)
+@pytest.fixture(params=pool_layout_pairs())
 def pools(request, backend, gen):
-    dev = pk.DeviceKVPool(2, 32, P, 2, 8, 4, v_heads=1, dtype=torch.float16)
-    host = pk.AsymmetricHostPool(dev, layout=request.param, io_backend=backend.io_backends[0])
-    for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+    kind, layout = request.param
+    dev = device_pool(kind, 2, 32, P, torch.float16, **GEOMETRY)
+    host = host_pool(dev, layout=layout, io_backend=backend.io_backends[0])
+    for t in every_tensor(dev, host):
         randomize(t, gen)
     return dev, host
 
@@ -80,18 +95,21 @@ def test_page_layouts_need_whole_pages(pools):
 
 def test_mismatched_device_pool(pools):
     dev, host = pools
-    other = pk.DeviceKVPool(2, 32, P, 2, 8, 8, v_heads=1, dtype=torch.float16)
-    rejected(dev, host, ValueError, "device_pool.*V 1x4", lambda: host.load_to_device_all_layer(other, *ok_indices()))
-    wrong_dtype = pk.DeviceKVPool(2, 32, P, 2, 8, 4, v_heads=1, dtype=torch.bfloat16)
+    kind = kind_of(dev)
+    other = device_pool(kind, 2, 32, P, torch.float16, **{**GEOMETRY, "v_dim": 8, "latent_dim": 16})
+    rejected(dev, host, ValueError, "device_pool.*V 1x4" if kind == "MHA" else "device_pool.*latent 1x12", lambda: host.load_to_device_all_layer(other, *ok_indices()))
+    wrong_dtype = device_pool(kind, 2, 32, P, torch.bfloat16, **GEOMETRY)
     rejected(dev, host, TypeError, "device_pool.*float16", lambda: host.load_to_device_all_layer(wrong_dtype, *ok_indices()))
-    rejected(dev, host, TypeError, "device_pool.*k_buffer", lambda: host.load_to_device_all_layer(object(), *ok_indices()))
+    rejected(dev, host, TypeError, f"device_pool.*{BUFFERS[kind][0]}", lambda: host.load_to_device_all_layer(object(), *ok_indices()))
+    other_kind = device_pool("MLA" if kind == "MHA" else "MHA", 2, 32, P, torch.float16, **GEOMETRY)
+    rejected(dev, host, TypeError, f"device_pool.*{BUFFERS[kind][0]}", lambda: host.load_to_device_all_layer(other_kind, *ok_indices()))
 
 
 def test_unknown_names(pools, backend):
     dev, host = pools
     rejected(dev, host, ValueError, "io_backend.*kernel, direct", lambda: host.load_to_device_all_layer(dev, *ok_indices(), io_backend="dma"))
-    with pytest.raises(ValueError, match="layout.*page_head"):
-        pk.AsymmetricHostPool(dev, layout="page_last")
+    with pytest.raises(ValueError, match="layout.*page_first_direct"):
+        host_pool(dev, layout="page_last")
     with pytest.raises(ValueError, match="backend"):
         pk.backends.use("tpu")
 
@@ -136,17 +154,19 @@ def test_swapped_layer_buffer_is_checked_and_used_when_that_layer_moves(pools, b
     h, d = ok_indices()
     d = d.to(dev.device)
     host.load_to_device_per_layer(dev, h, d, 0)
-    old = dev.k_buffer[1]
-    dev.k_buffer[1] = torch.zeros(old.shape[0], old.shape[1], old.shape[2] + 1, dtype=old.dtype, device=old.device)
+    name = BUFFERS[kind_of(dev)][0]
+    engine_list = getattr(dev, name)
+    old = engine_list[1]
+    engine_list[1] = torch.zeros(old.shape[0], old.shape[1], old.shape[2] + 1, dtype=old.dtype, device=old.device)
     host.load_to_device_per_layer(dev, h, d, 0)  # layer 1 does not move: no check needed, none made
-    rejected(dev, host, ValueError, r"device_pool\.k_buffer\[1\]", lambda: host.load_to_device_per_layer(dev, h, d, 1))
-    rejected(dev, host, ValueError, r"device_pool\.k_buffer\[1\]", lambda: host.load_to_device_all_layer(dev, h, d))
+    rejected(dev, host, ValueError, rf"device_pool\.{name}\[1\]", lambda: host.load_to_device_per_layer(dev, h, d, 1))
+    rejected(dev, host, ValueError, rf"device_pool\.{name}\[1\]", lambda: host.load_to_device_all_layer(dev, h, d))
     fresh = torch.zeros_like(old)
-    dev.k_buffer[1] = fresh
+    engine_list[1] = fresh
     old_bits = bits(old)
     host.load_to_device_per_layer(dev, h, d, 1)
     backend.synchronize()
-    expected = torch.stack([host_row(host.k_buffer, host.layout, P, t, 1) for t in h.tolist()])
+    expected = torch.stack([host_row(host_buffers(host)[0], host.layout, P, t, 1) for t in h.tolist()])
     assert torch.equal(bits(fresh[d]), bits(expected)), "the load did not land in the swapped-in buffer"
     assert torch.equal(bits(old), old_bits), "the load wrote into the buffer that was swapped out"
 

@@ -31,16 +31,17 @@ def own_master():
 
 @pytest.fixture(scope="module")
 def opened(tmp_path_factory):
-    """`opened(kind, layout, dtype)`: a host pool with a store over it, kept for the module (a Mooncake client takes ~1 s to close)."""
+    """`opened(kind, layout, dtype, pool)`: a host pool of kind `pool` (MHA or MLA) with a store over it, kept for
+    the module (a Mooncake client takes ~1 s to close)."""
     cache, masters = {}, []
 
-    def get(kind: str, layout: str = "page_first_direct", dtype: torch.dtype = torch.bfloat16):
+    def get(kind: str, layout: str = "page_first_direct", dtype: torch.dtype = torch.bfloat16, pool: str = "MHA"):
         if kind == "mooncake" and not masters:
             masters.append(MooncakeMaster().start())
-        if (kind, layout, dtype) not in cache:
-            _, host = make_host(layout, dtype)
-            cache[kind, layout, dtype] = host, open_store(kind, host, tmp_path_factory.mktemp("pages"), masters[0] if kind == "mooncake" else None)
-        return cache[kind, layout, dtype]
+        if (kind, layout, dtype, pool) not in cache:
+            _, host = make_host(layout, dtype, pool=pool)
+            cache[kind, layout, dtype, pool] = host, open_store(kind, host, tmp_path_factory.mktemp("pages"), masters[0] if kind == "mooncake" else None)
+        return cache[kind, layout, dtype, pool]
 
     yield get
     for host, store in cache.values():

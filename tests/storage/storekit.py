@@ -7,9 +7,8 @@ import uuid
 
 import pytest
 import torch
-from kvspec import bits, page_tokens, randomize
+from kvspec import LATENT_DIM, bits, device_buffers, device_pool, every_tensor, host_buffers, host_pool, page_tokens, randomize
 
-import portable_kv as pk
 from portable_kv import storage
 from portable_kv.layout import canonical_view
 from portable_kv.storage.master import master_binary
@@ -18,20 +17,22 @@ MOONCAKE_MISSING = importlib.util.find_spec("mooncake") is None or master_binary
 needs_mooncake = pytest.mark.skipif(MOONCAKE_MISSING, reason="Mooncake is not installed (pip install 'portable-kv[mooncake]'; its binaries need libibverbs1)")
 
 
-def make_host(layout: str = "page_first_direct", dtype: torch.dtype = torch.bfloat16, *, layers: int = 3, tokens: int = 64, page_size: int = 8,
-              k_heads: int = 2, k_dim: int = 24, v_heads: int = 2, v_dim: int = 16, seed: int = 0, io: str = "direct", device: str | None = None):
-    """A device pool and a host pool twice its size, both filled with random bytes (NaNs included)."""
-    dev = pk.DeviceKVPool(layers, tokens, page_size, k_heads, k_dim, v_dim, v_heads=v_heads, dtype=dtype, device=device)
-    host = pk.AsymmetricHostPool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io)
+def make_host(layout: str = "page_first_direct", dtype: torch.dtype = torch.bfloat16, *, pool: str = "MHA", layers: int = 3, tokens: int = 64,
+              page_size: int = 8, k_heads: int = 2, k_dim: int = 24, v_heads: int = 2, v_dim: int = 16, latent_dim: int = LATENT_DIM, seed: int = 0,
+              io: str = "direct", device: str | None = None):
+    """A device pool of kind `pool` (MHA or MLA) and a host pool twice its size, both filled with random bytes (NaNs included)."""
+    dev = device_pool(pool, layers, tokens, page_size, dtype, k_heads=k_heads, k_dim=k_dim, v_heads=v_heads, v_dim=v_dim,
+                      latent_dim=latent_dim, device=device)
+    host = host_pool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=io)
     gen = torch.Generator().manual_seed(seed)
-    for t in list(dev.k_buffer) + list(dev.v_buffer) + [host.k_buffer, host.v_buffer]:
+    for t in every_tensor(dev, host):
         randomize(t, gen)
     return dev, host
 
 
-def page_bytes(host, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bytes of one host page, K and V, in the canonical (token, layer, head, dim) order."""
-    return tuple(bits(canonical_view(b, host.layout, host.page_size)[page]) for b in (host.k_buffer, host.v_buffer))
+def page_bytes(host, page: int) -> tuple[torch.Tensor, ...]:
+    """The bytes of one host page, each buffer (K and V, or the latent), in the canonical (token, layer, head, dim) order."""
+    return tuple(bits(canonical_view(b, host.layout, host.page_size)[page]) for b in host_buffers(host))
 
 
 def unique_keys(n: int) -> list[str]:
@@ -41,19 +42,20 @@ def unique_keys(n: int) -> list[str]:
 
 def open_store(kind: str, host, tmp_path, master=None, **namespace):
     """A LocalStore under tmp_path, or a MooncakeStore on the given master contributing a small segment."""
+    segment_size_gb = namespace.pop("segment_size_gb", 0.0625)
     if kind == "local":
         return storage.LocalStore(host, tmp_path / "pages", **namespace)
-    return storage.MooncakeStore(host, master=master.address, segment_size_gb=namespace.pop("segment_size_gb", 0.0625), **namespace)
+    return storage.MooncakeStore(host, master=master.address, segment_size_gb=segment_size_gb, **namespace)
 
 
 def pool_bytes(host) -> list[torch.Tensor]:
-    return [bits(host.k_buffer).clone(), bits(host.v_buffer).clone()]
+    return [bits(buffer).clone() for buffer in host_buffers(host)]
 
 
 def changed_pages(host, before: list[torch.Tensor]) -> set[int]:
-    """Host pages whose K or V bytes differ from `before` (pool_bytes taken earlier)."""
+    """Host pages whose bytes differ from `before` (pool_bytes taken earlier) in any buffer."""
     changed = set()
-    for buffer, old in zip((host.k_buffer, host.v_buffer), before):
+    for buffer, old in zip(host_buffers(host), before):
         now, was = (canonical_view(b, host.layout, host.page_size) for b in (bits(buffer), old))
         diff = (now != was).reshape(now.shape[0], -1).any(dim=1)
         changed |= set(torch.nonzero(diff).flatten().tolist())
@@ -61,8 +63,8 @@ def changed_pages(host, before: list[torch.Tensor]) -> set[int]:
 
 
 def device_tokens(dev, tokens: torch.Tensor) -> list[bytes]:
-    """The bytes of the given device tokens, all layers, K then V."""
-    return [bits(torch.stack([layer[tokens.to(layer.device)] for layer in side])).numpy().tobytes() for side in (dev.k_buffer, dev.v_buffer)]
+    """The bytes of the given device tokens, all layers, each buffer (K then V, or the latent)."""
+    return [bits(torch.stack([layer[tokens.to(layer.device)] for layer in side])).numpy().tobytes() for side in device_buffers(dev)]
 
 
 # Two processes, each with its own device and host pool: the writer backs device pages up and puts

@@ -1,8 +1,8 @@
 """SGLang 0.5.23's own Mooncake backend and portable_kv's MooncakeStore share pages, both ways, on the CPU.
 
 Runs where sglang is importable (`tox -e sglang`); the plain test run skips it.  SGLang's
-backend drives SGLang's own MHA host pool; portable_kv's store drives a portable_kv pool of the
-same geometry; one loopback master serves both."""
+backend drives SGLang's own host pool (MHA, or MLA); portable_kv's store drives a portable_kv
+pool of the same geometry; one loopback master serves both."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ pytestmark = needs_mooncake
 pytest.importorskip("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store", reason="sglang is not installed: `tox -e sglang` runs this test")
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore as SGLangMooncakeStore  # noqa: E402
 
+import portable_kv as pk  # noqa: E402
 from portable_kv import storage  # noqa: E402
 from portable_kv.sglang import SGLangHostPool  # noqa: E402
 
@@ -51,9 +53,23 @@ def host_pools(layout: str):
     return theirs, ours
 
 
-def sglang_backend(master: str, pool) -> SGLangMooncakeStore:
+def mla_host_pools(layout: str):
+    """SGLang's MLA host pool filled with random bits, and a zeroed portable_kv MLA pool over the same device pool."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    dev = MLATokenToKVPool(DEVICE_TOKENS, PAGE, DTYPE, 32, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
+    theirs = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False,
+                                  device_capacity_tokens=dev.size, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS)
+    ours = pk.MLAHostPool(dev, layout=layout)
+    generator = torch.Generator().manual_seed(5)
+    theirs.kv_buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, theirs.kv_buffer.shape, generator=generator, dtype=torch.int16))
+    ours.kv_buffer.zero_()
+    return theirs, ours
+
+
+def sglang_backend(master: str, pool, is_mla: bool = False) -> SGLangMooncakeStore:
     config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=is_mla, enable_storage_metrics=False,
         is_page_first_layout=pool.layout != "layer_first", model_name=MODEL,
         extra_config={"master_server_address": master, "local_hostname": "127.0.0.1", "protocol": "tcp", "metadata_server": "P2PHANDSHAKE",
                       "global_segment_size": 64 << 20, "device_name": "", "check_server": False},
@@ -71,13 +87,15 @@ def same_page(theirs, their_token: int, ours, our_token: int) -> bool:
     return torch.equal(theirs.get_data_page(their_token).view(torch.int16), ours.get_data_page(our_token).view(torch.int16))
 
 
-# SGLang's Mooncake backend refuses layer_first MHA pools.
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "page_head"])
-def test_sglang_and_portable_kv_read_each_others_pages(published, master, layout):
-    theirs, ours = host_pools(layout)
-    backend = sglang_backend(master.address, theirs)
+# SGLang's Mooncake backend refuses layer_first MHA pools; it puts an MLA layer_first page from its layers in turn.
+@pytest.mark.parametrize("pool, layout", [("MHA", "page_first"), ("MHA", "page_first_direct"), ("MHA", "page_head"),
+                                          ("MLA", "layer_first"), ("MLA", "page_first"), ("MLA", "page_first_direct")])
+def test_sglang_and_portable_kv_read_each_others_pages(published, master, pool, layout):
+    theirs, ours = host_pools(layout) if pool == "MHA" else mla_host_pools(layout)
+    backend = sglang_backend(master.address, theirs, is_mla=pool == "MLA")
     try:
-        with storage.MooncakeStore(ours, master=master.address, segment_size_gb=0, model_name=MODEL, tp_rank=0) as store:
+        # An MLA page is named without the tensor-parallel rank: a reader of another rank shares it.
+        with storage.MooncakeStore(ours, master=master.address, segment_size_gb=0, model_name=MODEL, tp_rank=0 if pool == "MHA" else 3) as store:
             keys = unique_keys(3)
             assert backend.batch_set_v1(keys, slots(2, 3)) == [True] * 3
             assert store.exists(keys) == 3

@@ -1,21 +1,27 @@
-"""Both stores against the contract (docs/API.md, "Storage tier (L3)"): every layout x dtype, bit-exact,
-SGLang's object names and page bytes, per-page results, and bad input refused before any byte moves."""
+"""Both stores against the contract (docs/API.md, "Storage tier (L3)"): every pool kind x layout x dtype,
+bit-exact, SGLang's object names and page bytes (MHA: K and V objects; MLA: one), per-page results,
+and bad input refused before any byte moves."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kvspec import DTYPES, bits
+from kvspec import DTYPES, bits, pool_layouts
 from storekit import MOONCAKE_MISSING, changed_pages, make_host, open_store, page_bytes, page_tokens, pool_bytes, unique_keys
 
 from portable_kv import storage
-from portable_kv.layout import LAYOUTS
+
+POOLS = ("MHA", "MLA")
+
+
+def same_pages(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> bool:
+    return len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_roundtrip_is_bit_exact(kind, opened, layout, dtype):
-    host, store = opened(kind, layout, dtype)
+@pytest.mark.parametrize("pool, layout", pool_layouts())
+def test_roundtrip_is_bit_exact(kind, opened, pool, layout, dtype):
+    host, store = opened(kind, layout, dtype, pool)
     sources, targets = [1, 5, 2], [7, 0, 3]
     expected = [page_bytes(host, p) for p in sources]
     keys = unique_keys(3)
@@ -23,14 +29,14 @@ def test_roundtrip_is_bit_exact(kind, opened, layout, dtype):
     assert store.exists(keys) == 3
     before = pool_bytes(host)
     assert store.get(keys, page_tokens(torch.tensor(targets), host.page_size)) == [True] * 3
-    for page, (k, v) in zip(targets, expected):
-        got_k, got_v = page_bytes(host, page)
-        assert torch.equal(got_k, k) and torch.equal(got_v, v), f"page {page}"
+    for page, want in zip(targets, expected):
+        assert same_pages(page_bytes(host, page), want), f"page {page}"
     assert changed_pages(host, before) <= set(targets)
 
 
-def test_missing_key_in_a_batch(kind, opened):
-    host, store = opened(kind)
+@pytest.mark.parametrize("pool", POOLS)
+def test_missing_key_in_a_batch(kind, opened, pool):
+    host, store = opened(kind, pool=pool)
     keys = unique_keys(4)
     stored = [keys[0], keys[2]]
     assert store.put(stored, page_tokens(torch.tensor([1, 2]), host.page_size)) == [True, True]
@@ -40,12 +46,13 @@ def test_missing_key_in_a_batch(kind, opened):
     before = pool_bytes(host)
     assert store.get(keys[:3], page_tokens(torch.tensor([10, 11, 12]), host.page_size)) == [True, False, True]
     assert changed_pages(host, before) == {10, 12}
-    for page, (k, v) in zip((10, 12), expected):
-        assert torch.equal(page_bytes(host, page)[0], k) and torch.equal(page_bytes(host, page)[1], v)
+    for page, want in zip((10, 12), expected):
+        assert same_pages(page_bytes(host, page), want)
 
 
-def test_a_stored_key_is_not_written_again(kind, opened):
-    host, store = opened(kind)
+@pytest.mark.parametrize("pool", POOLS)
+def test_a_stored_key_is_not_written_again(kind, opened, pool):
+    host, store = opened(kind, pool=pool)
     keys = unique_keys(2)
     assert store.put(keys[:1], page_tokens(torch.tensor([1]), host.page_size)) == [True]
     first = page_bytes(host, 1)
@@ -55,27 +62,39 @@ def test_a_stored_key_is_not_written_again(kind, opened):
 
 
 def test_object_names_are_sglangs(tmp_path):
+    """MHA: `{prefix}_{key}_{tp}[_{pp}]`, then `_k` and `_v`.  MLA: `{prefix}_{key}_[{pp}]`, then one `_k`
+    (SGLang's `{key}__k`): every tensor-parallel rank holds the same latent, so its rank is not named."""
     _, host = make_host()
     assert storage.LocalStore(host, tmp_path).object_names(["abc"]) == ["abc_0"]
     assert storage.LocalStore(host, tmp_path, model_name="org/sub/model", tp_rank=3).object_names(["abc"]) == ["org-sub-model_abc_3"]
     assert storage.LocalStore(host, tmp_path, model_name="m", tp_rank=1, pp_rank=2, backend_tag="tag").object_names(["abc"]) == ["tag_m_abc_1_2"]
+    assert storage.LocalStore(host, tmp_path).objects == ("k", "v")
+    _, latent = make_host(pool="MLA")
+    assert storage.LocalStore(latent, tmp_path).object_names(["abc"]) == ["abc_"]
+    assert storage.LocalStore(latent, tmp_path, model_name="org/sub/model", tp_rank=3).object_names(["abc"]) == ["org-sub-model_abc_"]
+    assert storage.LocalStore(latent, tmp_path, model_name="m", tp_rank=1, pp_rank=2, backend_tag="tag").object_names(["abc"]) == ["tag_m_abc_2"]
+    assert storage.LocalStore(latent, tmp_path).objects == ("k",)
 
 
-def test_model_and_rank_are_part_of_the_key(kind, store_master, tmp_path):
-    _, host = make_host()
+@pytest.mark.parametrize("pool", POOLS)
+def test_model_and_rank_are_part_of_the_key(kind, store_master, tmp_path, pool):
+    """A page of another model or pipeline stage is another page; of another tensor-parallel rank, only in an MHA pool."""
+    _, host = make_host(pool=pool)
     keys = unique_keys(2)
+    # The writer stays open: a Mooncake client's segment, and the pages in it, go when it closes.
     with open_store(kind, host, tmp_path, store_master, model_name="org/a", tp_rank=0) as store:
         assert store.put(keys, page_tokens(torch.tensor([1, 2]), host.page_size)) == [True, True]
         assert store.exists(keys) == 2
-    for other in ({"model_name": "org/b", "tp_rank": 0}, {"model_name": "org/a", "tp_rank": 1}, {"model_name": "org/a", "tp_rank": 0, "pp_rank": 0}):
-        with open_store(kind, host, tmp_path, store_master, **other) as store:
-            assert store.exists(keys) == 0, other
+        for other in ({"model_name": "org/b", "tp_rank": 0}, {"model_name": "org/a", "tp_rank": 1}, {"model_name": "org/a", "tp_rank": 0, "pp_rank": 0}):
+            with open_store(kind, host, tmp_path, store_master, segment_size_gb=0, **other) as reader:
+                shared = pool == "MLA" and other == {"model_name": "org/a", "tp_rank": 1}
+                assert reader.exists(keys) == (2 if shared else 0), other
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_stored_bytes_are_the_flat_page(kind, opened, layout):
-    """What a store holds for a page is SGLang's flat page of this layout: K block then V block."""
-    host, store = opened(kind, layout)
+@pytest.mark.parametrize("pool, layout", pool_layouts())
+def test_stored_bytes_are_the_flat_page(kind, opened, pool, layout):
+    """What a store holds for a page is SGLang's flat page of this layout: K block then V block (MLA: the latent block)."""
+    host, store = opened(kind, layout, pool=pool)
     key = unique_keys(1)
     assert store.put(key, page_tokens(torch.tensor([3]), host.page_size)) == [True]
     name = store.object_names(key)[0]
@@ -83,7 +102,7 @@ def test_stored_bytes_are_the_flat_page(kind, opened, layout):
     if kind == "local":
         stored = (store.path / f"{name}.bin").read_bytes()
     else:
-        stored = _raw_objects(store.master, [f"{name}_k", f"{name}_v"], [store.k_page_bytes, store.v_page_bytes])
+        stored = _raw_objects(store.master, [f"{name}_{part}" for part in store.objects], list(store.object_bytes))
     assert stored == flat.numpy().tobytes()
 
 
@@ -95,7 +114,7 @@ def _raw_objects(master: str, objects: list[str], sizes: list[int]) -> bytes:
     assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
     buffer = torch.zeros(sum(sizes), dtype=torch.uint8)
     assert client.register_buffer(buffer.data_ptr(), buffer.numel()) == 0
-    offsets = [0, sizes[0]]
+    offsets = [sum(sizes[:n]) for n in range(len(sizes))]
     try:
         assert client.batch_get_into(objects, [buffer.data_ptr() + o for o in offsets], sizes) == sizes
     finally:
@@ -120,13 +139,14 @@ BAD_CALLS = [
 ]
 
 
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("op", ["put", "get"])
 @pytest.mark.parametrize("name,call,error", BAD_CALLS, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_CALLS)])
-def test_bad_input_is_refused_before_any_byte_moves(kind, opened, op, name, call, error):
-    host, store = opened(kind)
+def test_bad_input_is_refused_before_any_byte_moves(kind, opened, op, name, call, error, pool):
+    host, store = opened(kind, pool=pool)
     keys, indices = call(host.page_size)
     if isinstance(keys, list) and all(isinstance(k, str) and k for k in keys):
-        keys = [f"{k}-{op}-{name}-{hash(str(indices))}" for k in keys]
+        keys = [f"{k}-{op}-{name}-{pool}-{hash(str(indices))}" for k in keys]
     before = pool_bytes(host)
     with pytest.raises(error, match=name):
         getattr(store, op)(keys, indices)
@@ -169,7 +189,7 @@ def test_a_store_refuses_a_closed_host_pool(kind, store_master, tmp_path):
 
 def test_constructor_arguments_are_checked(tmp_path):
     _, host = make_host()
-    with pytest.raises(TypeError, match="host: expected an AsymmetricHostPool"):
+    with pytest.raises(TypeError, match="host: expected an AsymmetricHostPool or MLAHostPool"):
         storage.LocalStore(object(), tmp_path)
     with pytest.raises(ValueError, match="tp_rank"):
         storage.LocalStore(host, tmp_path, tp_rank=-1)
@@ -199,8 +219,7 @@ def test_any_key_is_one_file_inside_the_local_store(tmp_path, key):
     assert len(list((tmp_path / "store").iterdir())) == 1
     assert store.exists([key]) == 1
     assert store.get([key], page_tokens(torch.tensor([4]), host.page_size)) == [True]
-    got = page_bytes(host, 4)
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert same_pages(page_bytes(host, 4), expected)
     store.close()
     host.close()
 

@@ -122,10 +122,11 @@ def test_a_missing_command_is_still_named(capsys):
 def test_check_table_columns_line_up():
     from portable_kv.check import CheckResult, table
 
-    lines = table([CheckResult("layer_first", "kernel", True, 2621440, 0.1),
+    lines = table([CheckResult("layer_first", "kernel", True, 2621440, 0.1, pool="MLA"),
                    CheckResult("page_first_direct", "L3 local", False, 5242880, 0.2, "pages read back from the local store differ")])
     header = lines[0]
     starts = [header.index(name) for name in ("io", "result", "detail")]
+    assert lines[1].startswith("MLA ") and lines[2].startswith("MHA ") and header.index("layout") == lines[1].index("layer_first")
     assert lines[1][starts[0]:].startswith("kernel") and lines[2][starts[0]:].startswith("L3 local")
     assert lines[1][starts[1]:].startswith("PASS") and lines[2][starts[1]:].startswith("FAIL")
     assert lines[2][starts[2]:].startswith("pages read back")
@@ -167,9 +168,10 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 def test_check_passes_every_layout_and_io_and_says_what_ran(capsys):
     assert main(["check"]) == 0
     out = capsys.readouterr().out
-    roundtrips = [line for line in out.splitlines() if line.split()[1:2] in (["kernel"], ["direct"])]
-    assert len(roundtrips) == 8 and all(" PASS " in line for line in roundtrips)
-    header = next(line for line in out.splitlines() if line.startswith("layout "))
+    roundtrips = [line for line in out.splitlines() if line.split()[2:3] in (["kernel"], ["direct"])]
+    assert len(roundtrips) == 8 + 6 and all(" PASS " in line for line in roundtrips)  # MHA: 4 layouts; MLA: 3
+    assert sum(line.startswith("MLA ") for line in roundtrips) == 6
+    header = next(line for line in out.splitlines() if line.startswith("pool "))
     rows = [line for line in out.splitlines() if " PASS " in line or " FAIL " in line]
     assert all(line[header.index("result"):].startswith(("PASS", "FAIL")) for line in rows), out  # the L3 row included
     assert f"on backend {backends.current().name}" in out and " 0 failed" in out
@@ -215,6 +217,23 @@ def test_bench_cpu_run_is_labelled_for_what_it_is(tmp_path, capsys):
     assert (tmp_path / "again.md").read_text() == summary  # the same summary from the saved rows
     assert "CPU backend" in summary and "| cpu kernel, page_first_direct | " in summary and "| cpu direct, page_first_direct | " in summary
     assert "%" not in summary and "H2D" not in summary and "ceiling (one host memcpy of the same bytes)" in summary
+    # The MLA rows (DeepSeek-V3's latent), --quick: page_first_direct through each io path, a table of their own.
+    mla = {(row["name"], row["direction"]) for row in data["rows"] if row["section"] == "mla"}
+    assert mla == {(f"cpu page_first_direct {io}", d) for io in ("kernel", "direct") for d in ("h2d", "d2h")}
+    mla_table = summary[summary.index("| MLA path, a 576-element latent row | page 4 |"):]
+    assert "| cpu kernel, page_first_direct | " in mla_table and "| cpu direct, page_first_direct | " in mla_table
+
+
+def test_bench_mla_rows_follow_their_flags(tmp_path, capsys):
+    """--mla-dim 0 leaves the MLA rows out; the staged section measures every io path on an MLA pool too."""
+    path = tmp_path / "bench.json"
+    assert cpu_bench("--mla-dim", "0", "--json", str(path)) == 0
+    assert not [row for row in json.loads(path.read_text())["rows"] if row["section"] == "mla"]
+    assert cpu_bench("--section", "staged", "--mla-dim", "40") == 0
+    out = capsys.readouterr().out
+    for io in ("kernel", "direct", "staged", "auto"):
+        assert f"cpu {io}, MLA, allocator host pages " in out and f"cpu {io}, MLA, random host pages " in out
+    assert cpu_bench("--mla-dim", "-1") == 2 and "--mla-dim: expected an integer >= 0" in capsys.readouterr().err
 
 
 def test_bench_host_cost_section(capsys):

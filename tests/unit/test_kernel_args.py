@@ -60,11 +60,13 @@ def test_access_width_and_grid():
     assert ka.grid_size(10**9, 16) == 16
 
 
-def test_roundtrip_through_the_kernel_model(simulated):
+@pytest.mark.parametrize("kind", ("MHA", "MLA"))
+def test_roundtrip_through_the_kernel_model(simulated, kind):
     import test_transfers  # the conformance suite's helpers
+    from kvspec import KIND_LAYOUTS
 
-    for layout in ("layer_first", "page_first", "page_first_direct", "page_head"):
-        dev, host = test_transfers.make_pools(simulated, layout, "kernel", torch.bfloat16, tokens=32, page_size=4)
+    for layout in KIND_LAYOUTS[kind]:
+        dev, host = test_transfers.make_pools(simulated, kind, layout, "kernel", torch.bfloat16, tokens=32, page_size=4)
         gen = torch.Generator().manual_seed(3)
         test_transfers.fill(dev, host, gen)
         src = torch.tensor([4, 5, 6, 7, 20, 21, 22, 23])
@@ -75,10 +77,21 @@ def test_roundtrip_through_the_kernel_model(simulated):
     assert width == 16 and block == ka.BLOCK and grid == 1
 
 
+def test_an_mla_launch_leaves_the_second_job_without_a_vector(simulated):
+    """One latent buffer, one job: the second starts at the last vector, so no thread takes it."""
+    import test_transfers
+
+    dev, host = test_transfers.make_pools(simulated, "MLA", "page_first_direct", "kernel", tokens=32, page_size=4, latent_dim=576)
+    host.backup_from_device_all_layer(dev, torch.arange(8), torch.arange(8, 16))
+    args = list(simulated.created[-1]()._local.prepared.values())[-1].args
+    assert args.job[1].vec_begin == args.total_vecs == 8 * host.layer_num * 576 * 2 // 16
+    assert args.job[0].chunk_bytes == 576 * 2 and args.job[0].host_base == host.kv_buffer.data_ptr()
+
+
 def test_bad_index_sets_the_flag_and_copies_nothing_of_it(simulated):
     import test_transfers
 
-    dev, host = test_transfers.make_pools(simulated, "page_first", "kernel", tokens=32, page_size=4)
+    dev, host = test_transfers.make_pools(simulated, "MHA", "page_first", "kernel", tokens=32, page_size=4)
     dev.k_buffer[0].fill_(1.0)
     host.k_buffer.zero_()
     unchecked = type(host)(dev, layout="page_first", io_backend="kernel", validate=False)
@@ -108,7 +121,7 @@ def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated):
     quota, direction or index set prepares it again."""
     import test_transfers
 
-    dev, host = test_transfers.make_pools(simulated, "page_first_direct", "kernel", tokens=64, page_size=4, layers=3, k_dim=128, v_dim=64)
+    dev, host = test_transfers.make_pools(simulated, "MHA", "page_first_direct", "kernel", tokens=64, page_size=4, layers=3, k_dim=128, v_dim=64)
     gen = torch.Generator().manual_seed(5)
     test_transfers.fill(dev, host, gen)
     host_idx, dev_idx = torch.arange(16, 64), torch.arange(0, 48)  # 48 x 48 vectors: 2 blocks' work

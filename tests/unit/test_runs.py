@@ -272,6 +272,40 @@ def test_rocm_staged_batches_the_copies_of_long_rows(fake_rocm):
     host.close()
 
 
+def test_rocm_moves_an_mla_pool_as_one_buffer_on_every_path(fake_rocm, monkeypatch):
+    """DeepSeek-V3's latent (576 bf16 a token): kernel io, one launch whose second job holds no
+    vector; direct io, one batched call of a copy per page of the layer (a page_first_direct
+    host keeps a layer's pages apart); staged io, one 2-D copy of each run of host pages a
+    chunk, then the kernel."""
+    _, lib = fake_rocm
+    P, D = 16, 576
+    row = D * 2
+    dev = pk.MLADevicePool(4, 256, P, D, torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64)
+    host_idx, dev_idx = page_tokens(torch.tensor([2, 3, 4, 8]), P), page_tokens(torch.tensor([9, 1, 5, 6]), P)
+    page = 4 * P * row  # one host page, all layers
+    for io in ("kernel", "direct", "staged"):
+        monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(2 * (2 * P * row)))  # a slot: two pages of one layer
+        host = pk.MLAHostPool(dev, layout="page_first_direct", io_backend=io)
+        lib.calls.clear()
+        host.load_to_device_per_layer(dev, host_idx, dev_idx, 2)
+        calls = [(name, args) for name, args in lib.calls if name != "hipSetDevice"]
+        names = [name for name, _ in calls]
+        if io == "kernel":
+            assert names == ["hipModuleLaunchKernel"]
+            args = ka.CopyArgs.from_address(ctypes.c_void_p.from_address(calls[0][1][9]).value)
+            assert args.job[0].chunk_bytes == row and args.job[0].host_base == host.kv_buffer.data_ptr()
+            assert args.job[1].vec_begin == args.total_vecs == 4 * P * row // 16
+        elif io == "direct":
+            (name, batch), = calls
+            assert name == "hipMemcpyBatchAsync" and batch[3] == 4
+        else:
+            # Chunk 0: pages 2-3, one 2-D copy; chunk 1: pages 4 and 8, one each.
+            assert names == ["hipMemcpy2DAsync", "hipModuleLaunchKernel", "hipMemcpy2DAsync", "hipMemcpy2DAsync", "hipModuleLaunchKernel"]
+            dst, dpitch, src, spitch, width, height, kind, stream = calls[0][1]
+            assert src == host.kv_buffer.data_ptr() + 2 * page + 2 * P * row and (width, height, spitch) == (P * row, 2, page)
+        host.close()
+
+
 def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backend, monkeypatch):
     """A load that auto would stage takes the kernel path while the pool's latest staged
     backup has not completed (its event not done), and stages again once it has."""

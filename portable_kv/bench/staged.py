@@ -282,7 +282,7 @@ def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, n
     b = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
     c = torch.empty_like(a)
     rows = []
-    for io in ("kernel", "staged"):
+    for io in ("kernel", "direct", "staged"):  # SMs at the block quota, copy engines alone, both
         alone, _ = clock.time(lambda: [torch.mm(a, b, out=c) for _ in range(matmuls)], 3)
         calls = max(4, int(alone / (w.layer_bytes / 50e9)) + 2)
         side = torch.cuda.Stream()

@@ -306,6 +306,17 @@ def test_rocm_moves_an_mla_pool_as_one_buffer_on_every_path(fake_rocm, monkeypat
         host.close()
 
 
+def staging_auto_pool() -> tuple:
+    """A small layer_first pool on auto io whose rule, scaled down, stages its loads."""
+    P = 4
+    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    idx = page_tokens(torch.arange(32), P)
+    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="auto")
+    mover = host._mover("auto")
+    mover.rule = replace(staged.LINK_RULE, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2, batch_row_bytes=1024)
+    return dev, idx, host, mover
+
+
 def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backend, monkeypatch):
     """A load that auto would stage takes the kernel path while the pool's latest staged
     backup has not completed (its event not done), and stages again once it has."""
@@ -320,12 +331,7 @@ def test_auto_loads_through_the_kernel_path_while_a_staged_backup_runs(cpu_backe
         def done(self, event: object) -> bool:
             return not self.running
 
-    P = 4
-    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
-    idx = page_tokens(torch.arange(32), P)
-    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="auto")
-    mover = host._mover("auto")
-    mover.rule = replace(staged.LINK_RULE, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2, batch_row_bytes=1024)
+    dev, idx, host, mover = staging_auto_pool()
     streams = mover.movers["staged"].streams = Streams(lambda: 0)
     host.load_to_device_per_layer(dev, idx, idx, 1)
     assert mover.last_choice == "staged", "no backup yet"
@@ -365,12 +371,7 @@ def test_indices_the_pool_may_not_read_stay_unread_and_auto_takes_the_kernel_pat
     assert validator(torch.arange(8), torch.arange(8), 64, True).host_readable is True
 
     monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
-    P = 4
-    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
-    idx = page_tokens(torch.arange(32), P)
-    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="auto")
-    mover = host._mover("auto")
-    mover.rule = replace(staged.LINK_RULE, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2, batch_row_bytes=1024)
+    dev, idx, host, mover = staging_auto_pool()
     host.load_to_device_per_layer(dev, idx, idx, 1)
     assert mover.last_choice == "staged", "rows long enough to stage, indices readable"
     validate = IndexValidator.__call__

@@ -248,7 +248,7 @@ def _without_host_registration(exit_stack: contextlib.ExitStack) -> None:
     exit_stack.callback(setattr, common, "_cuda_host_register", original)
 
 
-class _WorkerStandIn:
+class WorkerStandIn:
     """The model worker as the tree-cache factory sees it: what the tree registers its layer counter with.
 
     The factory is handed the worker that runs the model (`TreeCacheBuildContext.tp_worker`), and of
@@ -313,13 +313,15 @@ class MimoStack:
         self.close()
 
 
-def _configurator(args, model_config, device: str, *, draft_idx: int | None = None, target=None):
+def kv_cache_configurator(args, model_config, device: str, *, draft_idx: int | None = None, target=None, use_mla_backend: bool = False,
+                          kv_cache_dtype: torch.dtype = DTYPE, kv_cache_dtype_str: str = "auto"):
     """SGLang's KV-cache configurator as a model runner makes it (model_runner.init_kv_cache_configurator).
 
     The device-memory profile is the one thing replaced: a fixed budget stands in for what a GPU
     profile finds, and --max-total-tokens caps the pools well below it, so the sizes are SGLang's
     own arithmetic from there on.  A draft runner shares the target's request pool, allocator and
-    pool sizes, as the speculative worker hands them over.
+    pool sizes, as the speculative worker hands them over.  `use_mla_backend` and the KV-cache
+    dtype are what a model runner resolves for an MLA model (DeepSeek's) and for `--kv-cache-dtype`.
     """
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor.model_runner_components.layer_setup import resolve_layer_indices
@@ -331,7 +333,7 @@ def _configurator(args, model_config, device: str, *, draft_idx: int | None = No
         def _profile_available_bytes(self, pre_model_load_memory: int) -> int:
             return 1 << 30
 
-    is_draft = draft_idx is not None
+    is_draft = target is not None  # a draft runner works beside the target's pools
     spec = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
     return BudgetedConfigurator(
         device=device,
@@ -339,11 +341,11 @@ def _configurator(args, model_config, device: str, *, draft_idx: int | None = No
         attn_dp_size=get_parallel().attn_dp_size,
         pp_size=1,
         pp_group=None,
-        model=None,  # read only for quantization scales and fused drafts, neither of which MiMo uses here
+        model=None,  # read only for quantization scales and fused drafts, neither of which these stacks use
         model_config=model_config,
         server_args=args,
-        kv_cache_dtype=DTYPE,
-        kv_cache_dtype_str="auto",
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype_str=kv_cache_dtype_str,
         model_dtype=DTYPE,
         page_size=get_schedule().page_size,
         sliding_window_size=model_config.sliding_window_size,
@@ -353,7 +355,7 @@ def _configurator(args, model_config, device: str, *, draft_idx: int | None = No
         spec_aux_config=resolve_spec_aux_hidden_state_config(server_args=args, model_config=model_config, spec_algorithm=spec, is_draft_worker=is_draft),
         is_hybrid_swa=model_config.is_hybrid_swa,
         is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
-        use_mla_backend=False,
+        use_mla_backend=use_mla_backend,
         layer_info=resolve_layer_indices(model=None, model_config=model_config, is_draft_worker=is_draft, draft_model_idx=draft_idx),
         forward_stream=None,
         req_to_token_pool=target.req_to_token_pool if target else None,
@@ -363,7 +365,7 @@ def _configurator(args, model_config, device: str, *, draft_idx: int | None = No
     )
 
 
-def _hicache_draft_plan(target, drafts: tuple, draft_config):
+def hicache_draft_plan(target, drafts: tuple, draft_config):
     """The speculative worker's HiCache draft plan as SGLang makes it, and the draft pools it packs into the target's.
 
     `BaseSpecWorker._build_hicache_draft_plan` runs on the worker's model runners, which load the
@@ -396,8 +398,8 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
     The returned stack holds the published runtime context until it is closed.
 
     What is not SGLang's own is what needs a loaded model or a process group: the model worker and
-    runners the factory and the draft plan read a few attributes of (`_WorkerStandIn`,
-    `_hicache_draft_plan`), and the device-memory profile (`_configurator`).  On CPU, what SGLang's
+    runners the factory and the draft plan read a few attributes of (`WorkerStandIn`,
+    `hicache_draft_plan`), and the device-memory profile (`kv_cache_configurator`).  On CPU, what SGLang's
     own pools need of CUDA is stood in for too (`CpuKvcacheio`, `_without_host_registration`,
     `_without_triton_warmup`); on a CUDA device it is not, so SGLang's own host pools need
     sgl_kernel there.
@@ -425,13 +427,13 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
             _without_triton_warmup(exit_stack)
 
         model_config = ModelConfig.from_server_args(args)
-        target = _configurator(args, model_config, device).configure(pre_model_load_memory=0)
+        target = kv_cache_configurator(args, model_config, device).configure(pre_model_load_memory=0)
         drafts = ()
         if mtp:
             # The draft worker's runners, one per MTP step, on the draft form of the same checkpoint.
             draft_config = ModelConfig.from_server_args(args, is_draft_model=True)
             drafts = tuple(
-                _configurator(args, draft_config, device, draft_idx=depth, target=target).configure(pre_model_load_memory=0).token_to_kv_pool
+                kv_cache_configurator(args, draft_config, device, draft_idx=depth, target=target).configure(pre_model_load_memory=0).token_to_kv_pool
                 for depth in range(get_spec().speculative_num_steps)
             )
 
@@ -446,7 +448,7 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
 
         # The speculative worker's HiCache draft plan (init_hicache_draft_plan): SGLang decides
         # whether the MTP drafts pack into the target's host pools or ride in a sidecar.
-        draft_plan, packed_drafts = _hicache_draft_plan(target, drafts, draft_config) if mtp else (None, ())
+        draft_plan, packed_drafts = hicache_draft_plan(target, drafts, draft_config) if mtp else (None, ())
         # What kv_cache_builder.build_kv_cache hands the tree-cache factory, and the factory itself:
         # it builds SGLang's UnifiedRadixCache, whose init_hicache attaches the host pools and the
         # controller (attach_hybrid_pool_to_unified_cache), then registers any draft sidecar.
@@ -468,7 +470,7 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
             sliding_window_size=model_config.sliding_window_size,
             mtp_draft_device_pools=packed_drafts,
         )
-        worker = _WorkerStandIn()
+        worker = WorkerStandIn()
         context = TreeCacheBuildContext(
             server_args=args,
             params=params,

@@ -156,12 +156,12 @@ def test_a_bad_sglang_io_setting_is_named(topology, installed, monkeypatch, sett
         build_kv_host_pool(kv_pool=dev, page_size=PAGE)
 
 
-def test_mla_keeps_sglangs_pool(installed):
+def test_the_mha_pool_refuses_mla_buffers_and_names_the_mla_pool(installed):
     class MLABufferInfo:  # the name SGLang's MLA device pools describe themselves by
         pass
 
-    assert "MLA" in pk_sglang.unsupported_reason(MLABufferInfo())
-    with pytest.raises(NotImplementedError, match="MLA"):
+    assert "SGLangMLAHostPool" in pk_sglang.unsupported_reason(MLABufferInfo())
+    with pytest.raises(NotImplementedError, match="SGLangMLAHostPool"):
         pk_sglang.SGLangHostPool(MLABufferInfo(), 2.0, 0, PAGE, "page_first", device_capacity_tokens=64)
 
 

@@ -112,3 +112,36 @@ def test_sglang_and_portable_kv_read_each_others_pages(published, master, pool, 
     finally:
         backend.store.close()
         ours.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_sglangs_mooncake_backend_moves_pages_between_its_own_mla_pool_and_the_installed_one(published, master, layout):
+    """The MLA pool install() serves is an MLATokenToKVPoolHost to SGLang's Mooncake backend: one object
+    per page, named without the tensor-parallel rank, at the addresses `get_page_buffer_meta` gives."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    from portable_kv.sglang_mla import SGLangMLAHostPool
+
+    dev = MLATokenToKVPool(DEVICE_TOKENS, PAGE, DTYPE, 32, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
+    args = (dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout)
+    kwargs = dict(device_capacity_tokens=dev.size, start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS)
+    theirs, ours = MLATokenToKVPoolHost(*args, pin_memory=False, **kwargs), SGLangMLAHostPool(*args, **kwargs)
+    assert isinstance(ours, MLATokenToKVPoolHost) and ours.kv_buffer.shape == theirs.kv_buffer.shape
+    theirs.kv_buffer.view(torch.uint8).copy_(torch.randint(0, 256, theirs.kv_buffer.view(torch.uint8).shape, dtype=torch.uint8))
+    backends = [sglang_backend(master.address, pool, is_mla=True) for pool in (theirs, ours)]
+    try:
+        keys = unique_keys(3)
+        assert backends[0].batch_set_v1(keys, slots(2, 3)) == [True] * 3
+        assert backends[1].batch_exists(keys) == 3
+        assert backends[1].batch_get_v1(keys, slots(5, 3)) == [True] * 3
+        for n in range(3):
+            assert same_page(theirs, (2 + n) * PAGE, ours, (5 + n) * PAGE), f"page {n} put from SGLang's pool"
+        back = unique_keys(3)
+        assert backends[1].batch_set_v1(back, slots(5, 3)) == [True] * 3
+        assert backends[0].batch_get_v1(back, slots(9, 3)) == [True] * 3
+        for n in range(3):
+            assert same_page(theirs, (9 + n) * PAGE, ours, (5 + n) * PAGE), f"page {n} put from the installed pool"
+    finally:
+        for backend in backends:
+            backend.store.close()
+        ours.close()

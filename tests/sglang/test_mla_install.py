@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import re
 
-import msgspec
 import pytest
 import torch
 from mlakit import KV_CACHE_DIM, KV_LORA_RANK, LAYERS, PAGE, QK_ROPE_HEAD_DIM, device_pool, plain_controller, same, write_free_load
 from sglangkit import SKIP_REASON
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host.mla", reason=SKIP_REASON)
+import msgspec  # noqa: E402  (one of SGLang's dependencies)
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation, MLATokenToKVPoolHost  # noqa: E402

@@ -26,12 +26,6 @@ class Setting:
         value = os.environ.get(self.name, "").strip()
         return value or self.default
 
-    def choice(self, options: tuple[str, ...]) -> str | None:
-        value = self.raw()
-        if value is not None and value.lower() not in options:
-            raise ConfigError(f"{self.name}: expected one of {', '.join(options)}, got {value!r}")
-        return value and value.lower()
-
     def integer(self, minimum: int = 0) -> int | None:
         value = self.raw()
         if value is None:
@@ -60,9 +54,6 @@ STAGING_BYTES = Setting("PORTABLE_KV_STAGING_BYTES", str(64 << 20),
                         "device memory of one pool's staged io path per direction, two halves that alternate chunks")
 STAGING_BLOCKS = Setting("PORTABLE_KV_STAGING_BLOCKS", "8",
                          "block quota of the staged io path's kernel between staging and the KV buffers")
-STAGING_PRIORITY = Setting("PORTABLE_KV_STAGING_PRIORITY", "normal",
-                           "stream priority of the staged io path's kernel: normal, or high (its blocks are scheduled "
-                           "first as SMs free up between the model's kernels)")
 SGLANG = Setting("PORTABLE_KV_SGLANG", "0",
                  "1: SGLang's plugin loader calls portable_kv.sglang.install() in every server process (HiCache on portable_kv)")
 SGLANG_IO = Setting("PORTABLE_KV_SGLANG_IO", None,
@@ -70,7 +61,7 @@ SGLANG_IO = Setting("PORTABLE_KV_SGLANG_IO", None,
                     "or pairs kernel=...,direct=... (default: SGLang's --hicache-io-backend as passed)")
 DEBUG = Setting("PORTABLE_KV_DEBUG", "0", "1: the command line shows full tracebacks, and Mooncake its full logs")
 
-SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, STAGING_BYTES, STAGING_BLOCKS, STAGING_PRIORITY, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, SGLANG, SGLANG_IO, DEBUG)
+SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, STAGING_BYTES, STAGING_BLOCKS, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, SGLANG, SGLANG_IO, DEBUG)
 # Triton's own switch (Triton reads it too): it decides whether the triton backend
 # runs on the CPU; not a PORTABLE_KV_* setting, so not in SETTINGS' table.
 TRITON_INTERPRET = Setting("TRITON_INTERPRET", "0", "1: Triton kernels run on the CPU under Triton's interpreter")

@@ -54,15 +54,6 @@ def staging_blocks() -> int:
     return config.STAGING_BLOCKS.integer(minimum=1) or STAGING_BLOCKS
 
 
-# The highest stream priority the runtime has (torch clamps a lower number to it).
-HIGH_PRIORITY = -100
-
-
-def staging_priority() -> str:
-    """The staging kernel's stream priority: PORTABLE_KV_STAGING_PRIORITY, normal or high."""
-    return config.STAGING_PRIORITY.choice(("normal", "high")) or "normal"
-
-
 class StagedMover(Mover):
     """Host runs as 1-D/2-D copies on the copy engines, the device side through staging
     slots by the copy kernel (`kernel`: a kernel mover of the backend's, given staging
@@ -118,7 +109,6 @@ class StagedMover(Mover):
 
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
-        priority = staging_priority()  # a bad setting refused before a byte moves, on any path
         prepared = self.prepared(transfer)
         if prepared is None or not prepared.carried_by(self.rule):
             self.last_path = "kernel"
@@ -126,7 +116,7 @@ class StagedMover(Mover):
             return
         self.last_path = "staged"
         with self._lock:
-            self._pipeline(transfer, prepared, self._slots_for(transfer.to_device, prepared.plan.slot_bytes), priority)
+            self._pipeline(transfer, prepared, self._slots_for(transfer.to_device, prepared.plan.slot_bytes))
 
     def _slots_for(self, to_device: bool, nbytes: int) -> list[Slot]:
         """A direction's two slots of at least `nbytes`: made at first use, remade for a larger plan."""
@@ -137,7 +127,7 @@ class StagedMover(Mover):
             slots = self._slots[to_device] = [Slot(self.device, nbytes, self.streams) for _ in range(2)]
         return slots
 
-    def _pipeline(self, transfer: Transfer, prepared: Prepared, slots: list[Slot], priority: str = "normal") -> None:
+    def _pipeline(self, transfer: Transfer, prepared: Prepared, slots: list[Slot]) -> None:
         """Every chunk through the slots in turn: a load copies into a slot, then scatters
         from it; a backup gathers into a slot, then copies from it."""
         streams, load = self.streams, transfer.to_device
@@ -147,8 +137,6 @@ class StagedMover(Mover):
         # the legacy default stream, which the batched calls refuse.
         apart = chunks > 1 or (prepared.batched_by(self.rule) and streams.handle(current) == 0)
         copier, worker = streams.side(current) if apart else (current, current)
-        if apart and priority == "high":
-            worker = streams.side(current, 1, priority=HIGH_PRIORITY)[0]
         if apart:
             self._order_after(current, transfer, copier, worker)
 

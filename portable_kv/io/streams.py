@@ -59,18 +59,16 @@ class DeviceStreams:
     def current(self) -> int:
         return self.runtime.current_stream()
 
-    def side(self, current: int, count: int = 2, priority: int = 0) -> tuple[int, ...]:
-        """`count` side streams of this thread beside `current`, the same ones each call;
-        `priority` below 0 asks for streams whose blocks the GPU schedules first (the
-        runtime clamps it to its highest)."""
+    def side(self, current: int, count: int = 2) -> tuple[int, ...]:
+        """`count` side streams of this thread beside `current`, the same ones each call."""
         local = self._local
         beside = getattr(local, "beside", None)
         if beside is None:
             beside = local.beside = {}
             local.streams = {}  # handle -> torch stream, for using() and to keep each alive
-        handles = beside.setdefault((current, priority), [])
+        handles = beside.setdefault(current, [])
         while len(handles) < count:
-            stream = torch.cuda.Stream(self.device, priority=priority)
+            stream = torch.cuda.Stream(self.device)
             local.streams[stream.cuda_stream] = stream
             handles.append(stream.cuda_stream)
         return tuple(handles[:count])
@@ -132,7 +130,7 @@ class InlineStreams:
     def current(self) -> None:
         return None
 
-    def side(self, current: None, count: int = 2, priority: int = 0) -> tuple[None, ...]:
+    def side(self, current: None, count: int = 2) -> tuple[None, ...]:
         return (None,) * count
 
     @staticmethod

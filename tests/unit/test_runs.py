@@ -399,10 +399,8 @@ class LoggedStreams(InlineStreams):
     def current(self) -> str:
         return self.stream
 
-    def side(self, current: str, count: int = 2, priority: int = 0) -> tuple[str, ...]:
-        if priority:
-            return tuple(f"priority {priority} stream {i} after {current}" for i in range(count))
-        return (f"copies after {current}", f"kernels after {current}")[:count]
+    def side(self, current: str) -> tuple[str, str]:
+        return f"copies after {current}", f"kernels after {current}"
 
     @staticmethod
     def using(stream: str) -> contextlib.nullcontext:
@@ -460,34 +458,6 @@ def test_a_staged_load_waits_for_its_stream_where_a_backup_was_issued_since(cpu_
     assert waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 1)), "another stream"
     mover.wait_each_load = True
     assert waited_for_stream(lambda: host.load_to_device_per_layer(dev, idx, idx, 1)), "told to wait each load"
-    host.close()
-
-
-def test_the_staging_kernel_stream_takes_the_priority_it_is_given(cpu_backend, monkeypatch):
-    """PORTABLE_KV_STAGING_PRIORITY=high puts the staged path's kernel on a stream of the
-    highest priority (the copies stay where they were); normal leaves it; any other value
-    is refused, naming the variable, before a byte moves."""
-    from portable_kv.config import ConfigError
-
-    P = 4
-    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
-    idx = page_tokens(torch.arange(32), P)
-    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="staged")
-    mover = host._mover("staged")
-    mover.staging_bytes = 2 * 5 * P * 2 * (24 + 16) * 2 + 1024  # several chunks: side streams
-    streams = mover.streams = LoggedStreams()
-    mover._start = streams.event()
-    for setting, kernels in (("normal", "kernels after engine"), ("high", f"priority {staged.HIGH_PRIORITY} stream 0 after engine")):
-        monkeypatch.setenv("PORTABLE_KV_STAGING_PRIORITY", setting)
-        streams.log.clear()
-        host.load_to_device_per_layer(dev, idx, idx, 0)
-        waited = {entry[1] for entry in streams.log if entry[0] == "wait"}
-        assert kernels in waited and "copies after engine" in waited, setting
-    monkeypatch.setenv("PORTABLE_KV_STAGING_PRIORITY", "urgent")
-    before = [bits(t).clone() for t in dev.k_buffer]
-    with pytest.raises(ConfigError, match="PORTABLE_KV_STAGING_PRIORITY: expected one of normal, high"):
-        host.load_to_device_per_layer(dev, idx, idx, 1)
-    assert all(torch.equal(a, bits(b)) for a, b in zip(before, dev.k_buffer))
     host.close()
 
 

@@ -122,11 +122,12 @@ class IndexValidator:
             # pools; CPU-resident ones are checked here as always.
             if self.validate and host.device.type == "cpu":
                 self._check(host.numpy(), "host_indices", self.host_tokens, unique=not to_device)
-            if self.validate and dev.device.type == "cpu":
-                self._check(dev.numpy(), "device_indices", device_tokens, unique=to_device)
+            if dev.device.type == "cpu":
+                dev = _owned_int64(dev)  # checked and kept as one copy, as below
+                if self.validate:
+                    self._check(dev.numpy(), "device_indices", device_tokens, unique=to_device)
             self.validations += 1
-            snapshots = _snapshot(host_indices, host), _snapshot(device_indices, _owned_int64(dev))
-            return IndexPair(host, dev, snapshots, host_readable=False)
+            return IndexPair(host, dev, (_snapshot(host_indices, host), _snapshot(device_indices, dev)), host_readable=False)
         dev = _owned_int64(dev)
         snapshots = _snapshot(host_indices, host), _snapshot(device_indices, dev)
         if dev.device != host.device:

@@ -100,7 +100,8 @@ def _copy_to(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
         # From pageable memory the driver first waits for the stream's earlier work on the
         # host (CUDA's and HIP's rule for async copies to the device): an engine's load stream
         # waiting for its model stream would hold the caller until the model got there.
-        indices = indices.pin_memory()
+        # Dense first: a view whose elements share memory (expand) cannot be pinned in place.
+        indices = indices.contiguous().pin_memory()
     return indices.to(device, non_blocking=True)
 
 

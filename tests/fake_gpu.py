@@ -132,12 +132,6 @@ class SimulatedRuntime(DeviceRuntime):
     def stream_wait_value(self, stream: int, address: int, value: int) -> None:
         self.stream_values.append(("wait", value, threading.current_thread().name))
 
-    def private_stream(self) -> int:
-        return 0  # one inline stream, as current_stream
-
-    def destroy_stream(self, stream: int) -> None:
-        pass
-
     def _bind(self) -> None:
         pass
 

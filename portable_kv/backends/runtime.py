@@ -33,7 +33,6 @@ from .jit import KernelSpec
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault = hipMemcpyDefault: direction from the addresses
 REGISTER_FLAGS = 3  # Portable | Mapped, the same bits for cudaHostRegister and hipHostRegister
 EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming = hipEventDisableTiming
-STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking = hipStreamNonBlocking: no implicit sync with the legacy stream
 NOT_READY = 600  # cudaErrorNotReady = hipErrorNotReady: an event's work has not completed
 
 
@@ -179,15 +178,6 @@ class DeviceRuntime(CopyEngine):
 
     def direct_mover(self) -> Mover:
         return DirectMover(self)
-
-    def private_stream(self) -> int:
-        stream = ctypes.c_void_p()
-        check(self._fn("StreamCreateWithFlags")(ctypes.byref(stream), ctypes.c_uint(STREAM_NON_BLOCKING)),
-              f"{self.prefix}StreamCreateWithFlags", self.error_name)
-        return stream.value or 0
-
-    def destroy_stream(self, stream: int) -> None:
-        self._fn("StreamDestroy")(ctypes.c_void_p(stream))  # unchecked, as event_destroy
 
     # -- events, which DeviceStreams orders streams with ----------------------------------
 

@@ -73,14 +73,14 @@ def stop_workers(workers: dict[int, EnqueueWorker]) -> None:
     workers.clear()
 
 
-def spread(engine: CopyEngine, streams: Streams, batch: CopyBatch, current: int, side: tuple[int, ...] | None = None) -> None:
+def spread(engine: CopyEngine, streams: Streams, batch: CopyBatch, current: int) -> None:
     """Enqueue `batch` after `current`'s work and before its next: one batched call on
-    `current`, or pieces over side streams (`side`, else this thread's), a copy engine each."""
+    `current`, or pieces over side streams, a copy engine each."""
     pieces = split_even(batch, engine.dma_streams)
     if len(pieces) == 1 and streams.handle(current) != 0:
         engine.memcpy_batch(batch, streams.handle(current))
         return
-    side = side if side is not None else streams.side(current, engine.dma_streams)
+    side = streams.side(current, engine.dma_streams)
     streams.fork(current, side)
     on = ([current] if streams.handle(current) != 0 else []) + list(side)
     for piece, stream in zip(pieces, on):

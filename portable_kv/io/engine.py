@@ -68,15 +68,6 @@ class CopyEngine(ABC):
         """Enqueue on `stream`: wait until the 64-bit word at `address` is >= `value`."""
         raise NotImplementedError(f"{type(self).__name__}: no stream memory operations")
 
-    def private_stream(self) -> int:
-        """A new stream of the engine's own, never handed to anyone else (a stream from torch's
-        pool may be the very stream a caller waits on); 0 where every call completes inline."""
-        return 0
-
-    def destroy_stream(self, stream: int) -> None:
-        """Release a private_stream (its enqueued work still completes)."""
-        return None
-
     def bind_thread(self) -> None:
         """Make the device current on the calling thread (a thread the engine did not start on)."""
         return None

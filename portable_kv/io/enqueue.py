@@ -30,7 +30,7 @@ IN_FLIGHT = 128  # calls a worker may be behind its callers (an engine queues ev
 SLOT_WAIT_S = 60.0  # a caller waits this long for a worker that is IN_FLIGHT calls behind
 START_WAIT_S = 30.0  # and this long for a new worker's stream
 
-Enqueue = Callable[[CopyEngine, Streams, CopyBatch, int, tuple[int, ...]], None]
+Enqueue = Callable[[CopyEngine, Streams, CopyBatch, int], None]
 
 
 class EnqueueWorker:
@@ -84,13 +84,9 @@ class EnqueueWorker:
             self.thread.join(timeout=SLOT_WAIT_S)
 
     def _run(self) -> None:
-        # Streams of the engine's own: one from torch's pool could be the caller's stream,
-        # which waits for this thread's work and would then hold it behind that wait.
-        engine = self.engine
         try:
-            engine.bind_thread()
-            self._stream = engine.private_stream()
-            sides = tuple(engine.private_stream() for _ in range(engine.dma_streams))
+            self.engine.bind_thread()
+            self._stream = self.streams.side(0, 1)[0]  # this thread's own stream
         except BaseException as error:  # reported by the constructor
             self.error = error
             return
@@ -100,14 +96,12 @@ class EnqueueWorker:
             batch, event, number = job
             try:
                 self.streams.wait(self._stream, event)
-                self._enqueue(engine, self.streams, batch, self._stream, sides)
+                self._enqueue(self.engine, self.streams, batch, self._stream)
             except BaseException as error:
                 self.error = self.error or error
             finally:
                 self._slots.put(event)  # recorded again only after this wait was enqueued
                 try:
-                    engine.stream_write_value(self._stream, self.counter.data_ptr(), number)
+                    self.engine.stream_write_value(self._stream, self.counter.data_ptr(), number)
                 except BaseException as error:
                     self.error = self.error or error
-        for stream in (self._stream, *sides):
-            engine.destroy_stream(stream)

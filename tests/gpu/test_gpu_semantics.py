@@ -6,7 +6,6 @@ Skipped (with the reason) where no CUDA/ROCm backend can run.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -192,23 +191,3 @@ def test_direct_worker_takes_the_copies_and_ends_with_the_pool(gpu, monkeypatch)
         assert torch.equal(bits(dev.v_buffer[layer][dev_idx]), bits(host.v_buffer[100:164, layer].reshape(-1, 4, 128)))
     host.close()
     assert not workers[0].thread.is_alive()
-
-
-def test_direct_worker_serves_callers_on_every_stream_of_torchs_pool(gpu, monkeypatch):
-    """The worker enqueues on streams of its own: torch's pool hands its streams out again and
-    again, and a worker on the very stream its caller waits on would wait behind that wait."""
-    monkeypatch.setenv("PORTABLE_KV_DIRECT_ENQUEUE", "worker")
-    dev, host = pools("direct")
-    idx = page_tokens(torch.arange(8), P)
-    done = []
-    for _ in range(40):  # more than the pool's 32 streams of one priority
-        with torch.cuda.stream(torch.cuda.Stream()):
-            host.load_to_device_per_layer(dev, idx, idx + 8 * P, 0)
-            done.append(torch.cuda.Event())
-            done[-1].record()
-    deadline = time.monotonic() + 20
-    while not all(event.query() for event in done):
-        assert time.monotonic() < deadline, "a caller's stream still waits for its copies after 20 s"
-        time.sleep(0.01)
-    assert torch.equal(bits(dev.k_buffer[0][idx + 8 * P]), bits(host.k_buffer[:8, 0].reshape(-1, 4, 192)))
-    host.close()

@@ -50,9 +50,6 @@ PREBUILT = Setting("PORTABLE_KV_PREBUILT", None, "extra directory searched first
 HOST_RESERVE = Setting("PORTABLE_KV_HOST_RESERVE", str(2 << 30), "bytes of host memory a new pool leaves free for the OS and the engine")
 CLANG = Setting("PORTABLE_KV_CLANG", None, "clang++ used to build HIP code objects ahead of time (default: clang++-19 or clang++ on PATH)")
 HIP_BITCODE = Setting("PORTABLE_KV_HIP_BITCODE", None, "directory of the AMD device bitcode (ockl.bc) for clang builds")
-DIRECT_ENQUEUE = Setting("PORTABLE_KV_DIRECT_ENQUEUE", "caller",
-                         "who enqueues direct io's copies: caller (within the call) or worker (a thread per stream: "
-                         "the call returns at once and its stream waits on the GPU for the copies)")
 STAGING_BYTES = Setting("PORTABLE_KV_STAGING_BYTES", str(64 << 20),
                         "device memory of one pool's staged io path per direction, two halves that alternate chunks")
 STAGING_BLOCKS = Setting("PORTABLE_KV_STAGING_BLOCKS", "8",
@@ -64,17 +61,10 @@ SGLANG_IO = Setting("PORTABLE_KV_SGLANG_IO", None,
                     "or pairs kernel=...,direct=... (default: SGLang's --hicache-io-backend as passed)")
 DEBUG = Setting("PORTABLE_KV_DEBUG", "0", "1: the command line shows full tracebacks, and Mooncake its full logs")
 
-SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, DIRECT_ENQUEUE, STAGING_BYTES, STAGING_BLOCKS, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, SGLANG, SGLANG_IO, DEBUG)
+SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, STAGING_BYTES, STAGING_BLOCKS, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, SGLANG, SGLANG_IO, DEBUG)
 # Triton's own switch (Triton reads it too): it decides whether the triton backend
 # runs on the CPU; not a PORTABLE_KV_* setting, so not in SETTINGS' table.
 TRITON_INTERPRET = Setting("TRITON_INTERPRET", "0", "1: Triton kernels run on the CPU under Triton's interpreter")
-
-
-def direct_enqueue() -> str:
-    value = DIRECT_ENQUEUE.raw() or "caller"
-    if value not in ("caller", "worker"):
-        raise ConfigError(f"{DIRECT_ENQUEUE.name}: expected caller or worker, got {value!r}")
-    return value
 
 
 def block_quota(vendor: str) -> int:

@@ -8,7 +8,6 @@ copies, each done when its call returns (no streams to order)."""
 from __future__ import annotations
 
 import ctypes
-import threading
 import weakref
 
 import numpy as np
@@ -69,7 +68,6 @@ class SimulatedRuntime(DeviceRuntime):
         self.launches: list[tuple[int, int, int]] = []  # (width, grid, block)
         self.registered: list[tuple[int, int]] = []
         self.copies_2d: list[tuple[int, int, int, int, int, int]] = []  # (dst, dst_pitch, src, src_pitch, width, height)
-        self.stream_values: list[tuple[str, int, str]] = []  # (write | wait, value, thread name)
         super().__init__(_VersionOnly(), 0)
         self.device = torch.device("cpu")
         self.has_batch = True  # batch_call below
@@ -117,20 +115,6 @@ class SimulatedRuntime(DeviceRuntime):
 
     def unregister_host(self, address: int) -> None:
         self.registered = [r for r in self.registered if r[0] != address]
-
-    # Stream memory operations, where a test turns them on: the write is done when its call
-    # returns, as every copy here; the wait is recorded (nothing runs behind a call to hold).
-    memops = False
-
-    def memops_supported(self) -> bool:
-        return self.memops
-
-    def stream_write_value(self, stream: int, address: int, value: int) -> None:
-        self.stream_values.append(("write", value, threading.current_thread().name))
-        ctypes.c_int64.from_address(address).value = value
-
-    def stream_wait_value(self, stream: int, address: int, value: int) -> None:
-        self.stream_values.append(("wait", value, threading.current_thread().name))
 
     def _bind(self) -> None:
         pass

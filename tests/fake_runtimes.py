@@ -130,8 +130,7 @@ def _plain(arg):
 
 EVENT_CALLS = ("EventCreateWithFlags", "EventRecord", "StreamWaitEvent", "EventSynchronize", "EventQuery", "EventDestroy")
 HIP_SYMBOLS = ("hipRuntimeGetVersion", "hipModuleLaunchKernel", "hipMemcpyBatchAsync", "hipMemcpyAsync", "hipMemcpy2DAsync", "hipGetErrorName",
-               "hipSetDevice", "hipDeviceGetAttribute", "hipStreamWaitValue64", "hipStreamWriteValue64", *("hip" + name for name in EVENT_CALLS))
-LIBCUDA_SYMBOLS = ("cuDeviceGetAttribute", "cuStreamWaitValue64_v2", "cuStreamWriteValue64_v2")  # what CudaRuntime calls in libcuda
+               "hipSetDevice", *("hip" + name for name in EVENT_CALLS))
 CUDART_SYMBOLS = ("cudaRuntimeGetVersion", "cudaMemcpyBatchAsync", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaGetErrorName",
                   *("cuda" + name for name in EVENT_CALLS))
 

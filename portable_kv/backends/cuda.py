@@ -29,8 +29,6 @@ AOT_ARCHS = ("sm_80", "sm_90", "sm_100")
 BATCH_MIN_VERSION = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
 BATCH_FAILIDX_UNTIL = 13000  # 12.8/12.9 take a failIdx argument; 13.0 dropped it
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream; 0 is invalid
-CAN_USE_64_BIT_STREAM_MEM_OPS = 122  # CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
-WAIT_VALUE_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
 
 
 def bindings() -> tuple[Any, Any]:
@@ -76,8 +74,7 @@ class CudaRuntime(DeviceRuntime):
         super().__init__(lib if lib is not None else runtime_library(), device_index)
         self.attrs = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
         self.attrs_index = ctypes.c_size_t(0)
-        self._libcuda: Any = None  # the driver library, opened at first use
-        self._launch_kernel: Any = None  # its cuLaunchKernel, typed at the first launch
+        self._launch_kernel: Any = None  # libcuda's cuLaunchKernel, opened at the first launch
 
     @property
     def driver(self) -> Any:
@@ -107,7 +104,7 @@ class CudaRuntime(DeviceRuntime):
     def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
         if self._launch_kernel is None:
             # ctypes: a launch from Python costs less so than through cuda-python's wrapper (docs/DESIGN.md).
-            call = self.libcuda.cuLaunchKernel
+            call = ctypes.CDLL(find_loaded_library("libcuda") or "libcuda.so.1").cuLaunchKernel
             u = ctypes.c_uint
             call.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             call.restype = ctypes.c_int
@@ -131,31 +128,6 @@ class CudaRuntime(DeviceRuntime):
             args.append(ctypes.byref(self.fail_index))
         args.append(ctypes.c_void_p(stream))
         return self.lib.cudaMemcpyBatchAsync(*args)
-
-    # -- stream memory operations (libcuda) -------------------------------------------------
-
-    @property
-    def libcuda(self) -> Any:
-        """The driver library, for the calls the runtime library does not have."""
-        if self._libcuda is None:
-            self._libcuda = ctypes.CDLL(find_loaded_library("libcuda") or "libcuda.so.1")
-        return self._libcuda
-
-    def memops_supported(self) -> bool:
-        value = ctypes.c_int()
-        code = self.libcuda.cuDeviceGetAttribute(ctypes.byref(value), ctypes.c_int(CAN_USE_64_BIT_STREAM_MEM_OPS), ctypes.c_int(self.device_index))
-        return code == 0 and value.value == 1
-
-    def stream_write_value(self, stream: int, address: int, value: int) -> None:
-        code = self.libcuda.cuStreamWriteValue64_v2(ctypes.c_void_p(stream), ctypes.c_uint64(address), ctypes.c_uint64(value), ctypes.c_uint(0))
-        if code:
-            check((self.driver.CUresult(code),), "cuStreamWriteValue64")
-
-    def stream_wait_value(self, stream: int, address: int, value: int) -> None:
-        code = self.libcuda.cuStreamWaitValue64_v2(ctypes.c_void_p(stream), ctypes.c_uint64(address), ctypes.c_uint64(value),
-                                                      ctypes.c_uint(WAIT_VALUE_GEQ))
-        if code:
-            check((self.driver.CUresult(code),), "cuStreamWaitValue64")
 
     def _bind(self) -> None:
         # The driver API needs the primary context current on each calling thread;

@@ -32,9 +32,6 @@ KERNEL_SOURCE = PACKAGE_DIR / "kernels_hip" / "kv_copy.hip"
 AOT_ARCHS = ("gfx90a", "gfx942", "gfx950")
 BATCH_MIN_VERSION = 70100000  # hipMemcpyBatchAsync appeared in ROCm 7.1 (HIP_VERSION encoding)
 BATCH_MAX_DESCRIPTORS = 8192  # more descriptors in one call fault on some parts
-CAN_USE_STREAM_WAIT_VALUE = 10013  # hipDeviceAttributeCanUseStreamWaitValue
-WAIT_VALUE_GEQ = 0  # hipStreamWaitValueGte
-ALL_BITS = (1 << 64) - 1  # hipStreamWaitValue64's mask: compare the whole word
 BITCODE_DIRS = ("/opt/rocm/amdgcn/bitcode", "/opt/rocm/lib/llvm/lib/clang/*/lib/amdgcn/bitcode", "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 BITCODE_LIBS = ("ockl.bc", "oclc_abi_version_500.bc", "oclc_wavefrontsize64_on.bc")
 
@@ -135,22 +132,6 @@ class HipRuntime(DeviceRuntime):
             ctypes.byref(self.fail_index),
             ctypes.c_void_p(stream),
         )
-
-    # -- stream memory operations (libamdhip64) -------------------------------------------
-
-    def memops_supported(self) -> bool:
-        value = ctypes.c_int()
-        code = self.lib.hipDeviceGetAttribute(ctypes.byref(value), ctypes.c_int(CAN_USE_STREAM_WAIT_VALUE), ctypes.c_int(self.device_index))
-        return code == 0 and value.value == 1
-
-    def stream_write_value(self, stream: int, address: int, value: int) -> None:
-        code = self.lib.hipStreamWriteValue64(ctypes.c_void_p(stream), ctypes.c_void_p(address), ctypes.c_uint64(value), ctypes.c_uint(0))
-        check(code, "hipStreamWriteValue64", self.error_name)
-
-    def stream_wait_value(self, stream: int, address: int, value: int) -> None:
-        code = self.lib.hipStreamWaitValue64(ctypes.c_void_p(stream), ctypes.c_void_p(address), ctypes.c_uint64(value),
-                                             ctypes.c_uint(WAIT_VALUE_GEQ), ctypes.c_uint64(ALL_BITS))
-        check(code, "hipStreamWaitValue64", self.error_name)
 
     def _bind(self) -> None:
         # A module launch runs on the calling thread's current device, which is

@@ -81,7 +81,6 @@ class DeviceRuntime(CopyEngine):
         # Each stream can drive a copy engine of its own (docs/PERFORMANCE.md: direct io over streams).
         self.dma_streams: int = config.DMA_STREAMS.integer(minimum=1) or 1
         self._bound = threading.local()
-        self._memops: bool | None = None
         self._bindings: tuple[Any, Any] | None = None  # the vendor's (runtime, compiler) modules, imported at first use
 
     def _fn(self, name: str) -> Any:
@@ -91,17 +90,6 @@ class DeviceRuntime(CopyEngine):
         name = self._fn("GetErrorName")
         name.restype = ctypes.c_char_p
         return name(code).decode()
-
-    @property
-    def stream_memops(self) -> bool:  # type: ignore[override]
-        """Whether this device's streams write and wait on 64-bit values (asked once)."""
-        if self._memops is None:
-            self._memops = self.memops_supported()
-        return self._memops
-
-    @abstractmethod
-    def memops_supported(self) -> bool:
-        """The driver's answer: 64-bit stream write and wait operations work on this device."""
 
     # -- code objects (the vendor's binding) ---------------------------------------------
 

@@ -51,8 +51,8 @@ import torch
 
 import portable_kv as pk
 
-from .. import backends, config
-from .measure import Clock, gbps, setting
+from .. import backends
+from .measure import Clock, gbps
 from .rows import Row, ceiling_text, on_gpu
 from .sections import percent
 from .staged import REQUEST_TOKENS, churned_slots
@@ -616,22 +616,17 @@ def _measure(clock: Clock, sizes: list[int], names: list[str], reps: int, quick:
             backend = backends.use(name)
             side = HostSide(pools)
             try:
-                # Direct io once more with its copies enqueued by a worker thread (io/enqueue.py).
-                paths = [(io, "caller") for io in IOS if io in backend.io_backends]
-                paths += [("direct", "worker")] if gpu and "direct" in backend.io_backends else []
-                for io, enqueue in paths:
-                    path = io if enqueue == "caller" else f"{io}-{enqueue}"
+                for io in (io for io in IOS if io in backend.io_backends):
                     engine = Engine(pools, side, forward, io, gpu)
                     engine.clear_loaded()
-                    with setting(config.DIRECT_ENQUEUE.name, enqueue):
-                        loads_s, loads_host_s = clock.time(engine.loads, reps)
-                        verified = engine.loaded_correctly()
-                        prefill_s, host_s = clock.time(engine.prefill, reps)
-                    progress(f"    {name} {path}: prefill {prefill_s * 1e3:.2f} ms, forward alone {compute_s * 1e3:.2f}, "
+                    loads_s, loads_host_s = clock.time(engine.loads, reps)
+                    verified = engine.loaded_correctly()
+                    prefill_s, host_s = clock.time(engine.prefill, reps)
+                    progress(f"    {name} {io}: prefill {prefill_s * 1e3:.2f} ms, forward alone {compute_s * 1e3:.2f}, "
                              f"loads alone {loads_s * 1e3:.2f}, bound {limit * 1e3:.2f}")
                     eff = gbps(total, loads_s)
-                    rows.append(Row(SECTION, f"{name} {path}", "h2d", page_size, eff, percent(eff, ceil, "h2d"),
-                                    host_s * 1e6, extra={**common, "io": io, "enqueue": enqueue, "backend": name, "prefill_ms": prefill_s * 1e3,
+                    rows.append(Row(SECTION, f"{name} {io}", "h2d", page_size, eff, percent(eff, ceil, "h2d"),
+                                    host_s * 1e6, extra={**common, "io": io, "backend": name, "prefill_ms": prefill_s * 1e3,
                                                          "loads_ms": loads_s * 1e3, "exposed_ms": (prefill_s - compute_s) * 1e3,
                                                          "prefill_host_ms": host_s * 1e3, "loads_host_ms": loads_host_s * 1e3,
                                                          "prefill_vs_bound": prefill_s / limit, "vs_recompute": recompute_s / prefill_s,

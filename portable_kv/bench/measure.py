@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -84,17 +82,3 @@ class Clock:
 
 def gbps(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9
-
-
-@contextlib.contextmanager
-def setting(name: str, value: str) -> Iterator[None]:
-    """A PORTABLE_KV_* setting for the rows measured inside (the package reads it per call)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before

@@ -17,17 +17,16 @@ import copy
 import random
 import statistics
 import threading
-import time
 from collections import deque
 
 import torch
 
 import portable_kv as pk
 
-from .. import backends, config
+from .. import backends
 from ..allocator import PageRunAllocator, churn_run_lengths, page_runs
 from ..io.staged import staging_blocks
-from .measure import Clock, gbps, setting
+from .measure import Clock, gbps
 from .peers import peers
 from .rows import Row
 from .sections import bench_pool, percent, with_clock
@@ -277,40 +276,29 @@ def both_ways_threads(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPo
 
 def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, name: str, where: str) -> list[Row]:
     """A bf16 matmul loop with per-layer loads interleaved on a side stream, as an engine runs
-    layer by layer: the loads' rate, the matmuls' slowdown against the loop alone, and the
-    host's time per load call (the matmuls behind a call wait for it)."""
+    layer by layer: the loads' rate and the matmuls' slowdown against the loop alone."""
     n, matmuls = 8192, 40
     a = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
     c = torch.empty_like(a)
     rows = []
-    # SMs at the block quota; copy engines alone, enqueued by the caller or by a worker thread; both.
-    for io, enqueue in (("kernel", "caller"), ("direct", "caller"), ("direct", "worker"), ("staged", "caller")):
+    for io in ("kernel", "direct", "staged"):  # SMs at the block quota, copy engines alone, both
         alone, _ = clock.time(lambda: [torch.mm(a, b, out=c) for _ in range(matmuls)], 3)
         calls = max(4, int(alone / (w.layer_bytes / 50e9)) + 2)
         side = torch.cuda.Stream()
-        with setting(config.DIRECT_ENQUEUE.name, enqueue):
-            with torch.cuda.stream(side):  # a first call outside the timing: a worker thread starts
-                host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, 0, io_backend=io)
-            torch.cuda.synchronize()
-            side.wait_stream(torch.cuda.current_stream())
-            t_start, t_end, m_start, m_end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
-            t_start.record(side)
-            m_start.record()
-            host_s = 0.0
-            for i in range(calls):
-                t0 = time.perf_counter()
-                with torch.cuda.stream(side):
-                    host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, i % w.layers, io_backend=io)
-                host_s += time.perf_counter() - t0
-                for _ in range(matmuls * (i + 1) // calls - matmuls * i // calls):
-                    torch.mm(a, b, out=c)
-            m_end.record()
-            t_end.record(side)
-            torch.cuda.synchronize()
+        side.wait_stream(torch.cuda.current_stream())
+        t_start, t_end, m_start, m_end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
+        t_start.record(side)
+        m_start.record()
+        for i in range(calls):
+            with torch.cuda.stream(side):
+                host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, i % w.layers, io_backend=io)
+            for _ in range(matmuls * (i + 1) // calls - matmuls * i // calls):
+                torch.mm(a, b, out=c)
+        m_end.record()
+        t_end.record(side)
+        torch.cuda.synchronize()
         busy, moved = m_start.elapsed_time(m_end) / 1e3, t_start.elapsed_time(t_end) / 1e3
-        label = io if enqueue == "caller" else f"{io} (worker enqueue)"
-        rows.append(Row("staged", f"{name} {label} load during matmul, interleaved, {where}", "h2d", w.page_size,
-                        gbps(calls * w.layer_bytes, moved), host_us=host_s / calls * 1e6,
-                        extra={"matmul_slowdown_pct": 100 * (busy / alone - 1), "matmul_alone_ms": alone * 1e3, "loads": calls}))
+        rows.append(Row("staged", f"{name} {io} load during matmul, interleaved, {where}", "h2d", w.page_size,
+                        gbps(calls * w.layer_bytes, moved), extra={"matmul_slowdown_pct": 100 * (busy / alone - 1)}))
     return rows

@@ -10,25 +10,17 @@ stream over `dma_streams` side streams, so that several copy engines work at onc
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
-import torch
 
-from .. import config
 from ..indices import IndexPair
 from ..transfer import TensorPair, Transfer
 from .engine import CopyBatch, CopyEngine
-from .enqueue import EnqueueWorker
 from .mover import Mover
-from .streams import Streams
 
 
 class DirectMover(Mover):
     """A transfer's copies over the engine's `dma_streams` side streams, ordered after and
-    before the current stream (the batched calls also refuse the legacy default stream);
-    enqueued by the caller, or with PORTABLE_KV_DIRECT_ENQUEUE=worker by a thread per
-    caller stream (io/enqueue.py)."""
+    before the current stream (the batched calls also refuse the legacy default stream)."""
 
     io = "direct"
 
@@ -36,56 +28,29 @@ class DirectMover(Mover):
         super().__init__(engine.device)
         self.engine = engine
         self.streams = engine.streams()
-        self.workers: dict[int, EnqueueWorker] = {}
-        weakref.finalize(self, stop_workers, self.workers)
 
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
-        for worker in self.workers.values():
-            worker.raise_error()
         batch = copy_batch(transfer)
         if batch.skipped:
             self.bad_index.set()
         if not len(batch):
             return
-        current = self.streams.current()
-        if self._on_worker():
-            worker = self.workers.get(current)
-            if worker is None:
-                worker = self.workers[current] = EnqueueWorker(self.engine, self.streams, spread)
-            worker.submit(batch, current)
+        streams = self.streams
+        current = streams.current()
+        pieces = split_even(batch, self.engine.dma_streams)
+        if len(pieces) == 1 and streams.handle(current) != 0:
+            self.engine.memcpy_batch(batch, streams.handle(current))
             return
-        spread(self.engine, self.streams, batch, current)
-
-    def _on_worker(self) -> bool:
-        # A stream being captured into a graph cannot wait on a worker's later work.
-        return (config.direct_enqueue() == "worker" and self.engine.stream_memops
-                and not (self.engine.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+        side = streams.side(current, self.engine.dma_streams)
+        streams.fork(current, side)
+        on = ([current] if streams.handle(current) != 0 else []) + list(side)
+        for piece, stream in zip(pieces, on):
+            self.engine.memcpy_batch(piece, streams.handle(stream))
+        streams.join(current, side)
 
     def close(self) -> None:
-        stop_workers(self.workers)
         self.streams = self.engine.streams()
-
-
-def stop_workers(workers: dict[int, EnqueueWorker]) -> None:
-    for worker in workers.values():
-        worker.stop()
-    workers.clear()
-
-
-def spread(engine: CopyEngine, streams: Streams, batch: CopyBatch, current: int) -> None:
-    """Enqueue `batch` after `current`'s work and before its next: one batched call on
-    `current`, or pieces over side streams, a copy engine each."""
-    pieces = split_even(batch, engine.dma_streams)
-    if len(pieces) == 1 and streams.handle(current) != 0:
-        engine.memcpy_batch(batch, streams.handle(current))
-        return
-    side = streams.side(current, engine.dma_streams)
-    streams.fork(current, side)
-    on = ([current] if streams.handle(current) != 0 else []) + list(side)
-    for piece, stream in zip(pieces, on):
-        engine.memcpy_batch(piece, streams.handle(stream))
-    streams.join(current, side)
 
 
 def split_even(batch: CopyBatch, parts: int) -> list[CopyBatch]:

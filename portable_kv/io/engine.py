@@ -55,23 +55,6 @@ class CopyEngine(ABC):
         for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
             self.memcpy(dst, src, size, stream)
 
-    # Stream memory operations: a stream writes a 64-bit value, or waits until one at an
-    # address is >= a value.  They let a side thread enqueue a call's copies after the call
-    # returned while the caller's stream still waits for them (io/enqueue.py).
-    stream_memops: bool = False
-
-    def stream_write_value(self, stream: int, address: int, value: int) -> None:
-        """Enqueue on `stream`: write the 64-bit `value` to device-visible `address`."""
-        raise NotImplementedError(f"{type(self).__name__}: no stream memory operations")
-
-    def stream_wait_value(self, stream: int, address: int, value: int) -> None:
-        """Enqueue on `stream`: wait until the 64-bit word at `address` is >= `value`."""
-        raise NotImplementedError(f"{type(self).__name__}: no stream memory operations")
-
-    def bind_thread(self) -> None:
-        """Make the device current on the calling thread (a thread the engine did not start on)."""
-        return None
-
     @abstractmethod
     def current_stream(self) -> int:
         """The handle of the current stream: transfers are ordered on it."""

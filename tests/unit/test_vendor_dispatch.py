@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, LIBCUDA_SYMBOLS, FakeLib, fake_rocm_backend, install_fake_hip
+from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, FakeLib, fake_rocm_backend, install_fake_hip
 
 from portable_kv.backends import base, cuda, rocm
 from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError, check
@@ -139,30 +139,6 @@ def test_cuda_batch_signature_follows_the_runtime_version(version, args):
     assert name == "cudaMemcpyBatchAsync" and len(call) == args and call[3] == 3 and call[-1] == STREAM
     assert call[6] == 1, "one attribute entry (srcAccessOrder = stream) for every copy"
     assert runtime.attrs.src_access_order == cuda.SRC_ACCESS_ORDER_STREAM
-
-
-def test_stream_memory_operations_are_twins(fake_rocm):
-    """A 64-bit write, and a wait until the word is >= the value over all 64 bits, on the
-    caller's stream; both vendors asked once whether the device has them."""
-    _, _, _, hip_lib = fake_rocm
-    hip_runtime = fake_rocm[0].runtime
-    cuda_runtime = cuda.CudaRuntime(lib=FakeLib(13000, CUDART_SYMBOLS))
-    cuda_runtime._libcuda = cuda_lib = FakeLib(0, LIBCUDA_SYMBOLS)
-    for runtime in (hip_runtime, cuda_runtime):
-        runtime.stream_wait_value(STREAM, 0x7000, 5)
-        runtime.stream_write_value(STREAM, 0x7000, 5)
-        assert runtime.stream_memops is False  # the fakes answer 0 to the attribute
-        assert runtime.stream_memops is False
-    hip_calls = [(name, args) for name, args in hip_lib.calls if "Value64" in name or "Attribute" in name]
-    assert hip_calls == [("hipStreamWaitValue64", [STREAM, 0x7000, 5, rocm.WAIT_VALUE_GEQ, (1 << 64) - 1]),
-                         ("hipStreamWriteValue64", [STREAM, 0x7000, 5, 0]),
-                         ("hipDeviceGetAttribute", [("byref", "c_int"), rocm.CAN_USE_STREAM_WAIT_VALUE, 0])]
-    assert cuda_lib.calls == [("cuStreamWaitValue64_v2", [STREAM, 0x7000, 5, cuda.WAIT_VALUE_GEQ]),
-                              ("cuStreamWriteValue64_v2", [STREAM, 0x7000, 5, 0]),
-                              ("cuDeviceGetAttribute", [("byref", "c_int"), cuda.CAN_USE_64_BIT_STREAM_MEM_OPS, 0])]
-    failing = FakeLib(70200000, HIP_SYMBOLS, failing={"hipStreamWaitValue64": 801})
-    with pytest.raises(DeviceError, match="hipStreamWaitValue64 failed"):
-        rocm.HipRuntime(lib=failing).stream_wait_value(STREAM, 0x7000, 1)
 
 
 def test_cuda_before_12_8_falls_back_to_a_memcpy_loop():

@@ -17,6 +17,7 @@ import copy
 import random
 import statistics
 import threading
+import time
 from collections import deque
 
 import torch
@@ -276,7 +277,8 @@ def both_ways_threads(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPo
 
 def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, name: str, where: str) -> list[Row]:
     """A bf16 matmul loop with per-layer loads interleaved on a side stream, as an engine runs
-    layer by layer: the loads' rate and the matmuls' slowdown against the loop alone."""
+    layer by layer: the loads' rate, the matmuls' slowdown against the loop alone, and the
+    host's time per load call (the matmuls enqueued after a call wait for it)."""
     n, matmuls = 8192, 40
     a = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
@@ -290,9 +292,12 @@ def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, n
         t_start, t_end, m_start, m_end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
         t_start.record(side)
         m_start.record()
+        host_s = 0.0
         for i in range(calls):
+            t0 = time.perf_counter()
             with torch.cuda.stream(side):
                 host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, i % w.layers, io_backend=io)
+            host_s += time.perf_counter() - t0
             for _ in range(matmuls * (i + 1) // calls - matmuls * i // calls):
                 torch.mm(a, b, out=c)
         m_end.record()
@@ -300,5 +305,6 @@ def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, n
         torch.cuda.synchronize()
         busy, moved = m_start.elapsed_time(m_end) / 1e3, t_start.elapsed_time(t_end) / 1e3
         rows.append(Row("staged", f"{name} {io} load during matmul, interleaved, {where}", "h2d", w.page_size,
-                        gbps(calls * w.layer_bytes, moved), extra={"matmul_slowdown_pct": 100 * (busy / alone - 1)}))
+                        gbps(calls * w.layer_bytes, moved), host_us=host_s / calls * 1e6,
+                        extra={"matmul_slowdown_pct": 100 * (busy / alone - 1), "matmul_alone_ms": alone * 1e3, "loads": calls}))
     return rows

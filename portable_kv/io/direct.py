@@ -63,29 +63,50 @@ def split_even(batch: CopyBatch, parts: int) -> list[CopyBatch]:
 
 
 def copy_batch(transfer: Transfer) -> CopyBatch:
-    """Every copy of a transfer, K then V, each run merged, as one batch."""
-    layers = np.asarray(transfer.layers, dtype=np.int64)
+    """Every copy of a transfer, K then V, each run merged, as one batch: the copies of one
+    layer are kept with the indices, so a call adds its layer's base addresses and no more."""
     dst, src, sizes = [], [], []
     skipped = False
     for pair in transfer.pairs:
-        s, c = pair.strides, pair.chunks
-        host_off, dev_off, size, left_out = run_offsets(transfer.indices, pair, transfer.page_size)
+        host_rel, dev_rel, size, left_out = layer_copies(transfer.indices, pair, transfer.page_size)
         skipped |= left_out
-        groups = np.arange(c.groups, dtype=np.int64)
-        layer_base = np.array([pair.device[int(l)].data_ptr() for l in layers], dtype=np.int64)
-        # Broadcast to (layer, group, run).
-        host_addr = (pair.host.data_ptr() + layers * s.layer)[:, None, None] + (groups * c.host_group)[None, :, None] + host_off[None, None, :]
-        dev_addr = layer_base[:, None, None] + (groups * c.device_group)[None, :, None] + dev_off[None, None, :]
+        host_base = pair.host.data_ptr()
+        if len(transfer.layers) == 1:
+            layer = transfer.layers[0]
+            host_addr = host_rel + (host_base + layer * pair.strides.layer)
+            dev_addr = dev_rel + pair.device[layer].data_ptr()
+        else:  # broadcast to (layer, copy)
+            layers = np.asarray(transfer.layers, dtype=np.int64)
+            host_addr = ((host_base + layers * pair.strides.layer)[:, None] + host_rel[None, :]).ravel()
+            layer_base = np.array([pair.device[int(l)].data_ptr() for l in layers], dtype=np.int64)
+            dev_addr = (layer_base[:, None] + dev_rel[None, :]).ravel()
+            size = np.tile(size, len(layers))
         to, frm = (dev_addr, host_addr) if transfer.to_device else (host_addr, dev_addr)
-        dst.append(to.ravel())
-        src.append(frm.ravel())
-        sizes.append(np.broadcast_to(size, host_addr.shape).ravel())
+        dst.append(to)
+        src.append(frm)
+        sizes.append(size)
     return CopyBatch(
         np.concatenate(dst).view(np.uint64),
         np.concatenate(src).view(np.uint64),
         np.concatenate(sizes).view(np.uint64),
         skipped,
     )
+
+
+def layer_copies(indices: IndexPair, pair: TensorPair, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """One layer's copies of `pair`, in (head group, run) order: host offsets from the host
+    buffer's layer, device offsets from the layer's buffer, byte sizes, and whether tokens
+    outside a pool were left out; kept with the indices, which an engine passes to every layer."""
+    device_tokens = int(pair.device[0].shape[0])
+
+    def build() -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        host_off, dev_off, size, skipped = run_offsets(indices, pair, page_size)
+        groups = np.arange(pair.chunks.groups, dtype=np.int64)
+        host_rel = ((groups * pair.chunks.host_group)[:, None] + host_off[None, :]).ravel()
+        dev_rel = ((groups * pair.chunks.device_group)[:, None] + dev_off[None, :]).ravel()
+        return host_rel, dev_rel, np.tile(size, len(groups)), skipped
+
+    return indices.known((), ("direct copies", pair.strides, pair.chunks, page_size, pair.registration_tokens, device_tokens), build)
 
 
 def run_offsets(indices: IndexPair, pair: TensorPair, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:

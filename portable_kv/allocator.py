@@ -153,6 +153,30 @@ class PageRunAllocator:
             self._run_pages[first] = pages
 
 
+class FreeListAllocator:
+    """Device pages as an engine hands them out: SGLang 0.5.23's PagedTokenToKVPoolAllocator
+    with its default (no sorting), a free list whose head is handed out and to whose head a
+    freed allocation's pages return in ascending order.  Page 0 is never handed out (SGLang
+    keeps it for padded tokens).  The bench places device pages with it; a test holds it to
+    SGLang's own allocator, slot for slot."""
+
+    def __init__(self, size: int, page_size: int) -> None:
+        if page_size <= 0 or size <= 0 or size % page_size:
+            raise ValueError(f"size: expected a positive multiple of page_size={page_size}, got {size}")
+        self.page_size = page_size
+        self.free_pages = torch.arange(1, size // page_size + 1, dtype=torch.int64)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        pages = need_size // self.page_size
+        if pages > len(self.free_pages):
+            return None
+        taken, self.free_pages = self.free_pages[:pages], self.free_pages[pages:]
+        return (taken[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.free_pages = torch.cat((torch.unique(slots // self.page_size), self.free_pages))
+
+
 def page_runs(slots: torch.Tensor, page_size: int) -> list[int]:
     """Lengths, in pages, of the runs of consecutive pages in an allocation of whole pages."""
     pages = (slots[::page_size] // page_size).tolist()

@@ -25,7 +25,7 @@ import torch
 import portable_kv as pk
 
 from .. import backends
-from ..allocator import PageRunAllocator, churn_run_lengths, page_runs
+from ..allocator import FreeListAllocator, PageRunAllocator, churn_run_lengths, page_runs
 from ..io.staged import staging_blocks
 from .measure import Clock, gbps
 from .peers import peers
@@ -38,17 +38,24 @@ IOS = ("kernel", "direct", "staged", "auto")
 # a row a page) and, for allocator-placed pages, layer_first (a per-layer run is one
 # contiguous range, so a chunk's copies go as one batched call of 1-D copies).
 HOST_LAYOUTS = ("page_first_direct", "layer_first")
+# allocator: host pages placed by portable_kv's allocator after churn, device pages at random;
+# engine: the same host pages, device pages placed by an engine's allocator after churn (runs,
+# which direct io merges with the host's: its copies fall from one a page to a few per run);
+# random: both at random (the worst case).  MLA pools: the first and the last.
+PLACEMENTS = {"MHA": ("allocator", "engine", "random"), "MLA": ("allocator", "random")}
 HOST_RATIO = 4.0  # host pool : device pool, so that churn leaves the transfer's pages among others
 REQUEST_TOKENS = 4096  # an engine's allocations: prefixes of 1 .. this many tokens, uniform
 FILLS = 4  # churn allocates this many times the pool before the transfer's pages are placed
 
 
-def churned_slots(pool_pages: int, page_size: int, need_pages: int, seed: int = 0) -> torch.Tensor:
-    """Host slots of `need_pages` pages as the allocator places them after churn: prefixes of
+def churned_slots(pool_pages: int, page_size: int, need_pages: int, seed: int = 0, device: bool = False) -> torch.Tensor:
+    """Slots of `need_pages` pages as an allocator places them after churn: prefixes of
     1..REQUEST_TOKENS tokens allocated, the least recently allocated freed when the pool is full
-    (churn_run_lengths' workload), then the transfer's own prefixes, which nothing evicts."""
-    max_pages = max(1, REQUEST_TOKENS // page_size)
-    allocator = PageRunAllocator(pool_pages * page_size, page_size)
+    (churn_run_lengths' workload), then the transfer's own prefixes, which nothing evicts.  Host
+    slots by portable_kv's allocator; `device`: device slots by the engine's (FreeListAllocator,
+    over pages 1..pool_pages)."""
+    max_pages = max(1, min(pool_pages, REQUEST_TOKENS // page_size))  # a request the pool can hold
+    allocator = (FreeListAllocator if device else PageRunAllocator)(pool_pages * page_size, page_size)
     rng = random.Random(seed)
     live: deque[torch.Tensor] = deque()
 
@@ -78,8 +85,10 @@ class StagedWorkload(Workload):
         self.peer_host_idx = self.host_idx  # random pages of a pool the peers' own size
         self.placement = placement
         self.pool_pages = int(HOST_RATIO * self.host_pages)
-        if placement == "allocator":
+        if placement in ("allocator", "engine"):
             self.host_idx = churned_slots(self.pool_pages, page_size, self.pages)
+            if placement == "engine":  # device pages too as an engine's allocator places them
+                self.dev_idx = churned_slots(self.host_pages - 1, page_size, self.pages, seed=1, device=True)
         else:
             pages = torch.randperm(self.pool_pages, generator=torch.Generator().manual_seed(1))[: self.pages]
             self.host_idx = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
@@ -95,12 +104,16 @@ def measure(clock: Clock, geometry: Geometry, sizes: list[int], names: list[str]
     rows = []
     pools = ("MHA", "MLA") if geometry.mla_dim else ("MHA",)
     for page_size in sizes:
-        for pool, placement in [(pool, placement) for pool in pools for placement in ("allocator", "random")]:
+        for pool, placement in [(kind, placement) for kind in pools for placement in PLACEMENTS[kind]]:
             w = StagedWorkload(geometry, page_size, mla_layers if pool == "MLA" else layers, device, placement, pool)
             latent = f", MLA latent of {geometry.mla_dim}" if pool == "MLA" else ""
-            progress(f"page {page_size}, {placement} host pages{latent}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
+            pages = "allocator host pages, engine device pages" if placement == "engine" else f"{placement} host pages"
+            progress(f"page {page_size}, {pages}{latent}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
             if placement == "allocator" and pool == "MHA":
                 rows += run_lengths(page_size, w.host_idx)
+            if placement == "engine":
+                rows.append(Row("staged", "runs of the transfer's device pages, an engine's allocator after churn", "-", page_size,
+                                extra=_runs_summary(page_runs(w.dev_idx, page_size))))
             for name in names:
                 rows += section(clock, w, reps, ceil, name, with_peers=placement == "random" and name == names[0] and pool == "MHA")
             del w
@@ -134,8 +147,10 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
         own = copy.copy(w)
         own.host_idx = w.peer_host_idx
         rows += [_labelled(r, f"peer: {r.name}, random pages") for r in peers(clock, own, reps, ceil)]
-    for layout in HOST_LAYOUTS if w.placement == "allocator" else HOST_LAYOUTS[:1]:
-        where = ("MLA, " if w.pool == "MLA" else "") + f"{w.placement} host pages" + ("" if layout == HOST_LAYOUTS[0] else f", {layout} host")
+    layouts = {"allocator": HOST_LAYOUTS, "engine": HOST_LAYOUTS[1:], "random": HOST_LAYOUTS[:1]}[w.placement]
+    for layout in layouts:
+        pages = "allocator host pages, engine device pages" if w.placement == "engine" else f"{w.placement} host pages"
+        where = ("MLA, " if w.pool == "MLA" else "") + pages + ("" if layout == HOST_LAYOUTS[0] else f", {layout} host")
         with w.host_pool(layout, "kernel") as host:
             for io in IOS:
                 label = f"{name} {io}, {where}"

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from portable_kv.allocator import PageRunAllocator, churn_run_lengths, page_runs
+from portable_kv.allocator import FreeListAllocator, PageRunAllocator, churn_run_lengths, page_runs
 
 P = 4
 
@@ -179,3 +179,15 @@ def test_churn_reports_runs_longer_than_a_page():
 def test_churn_rejects_allocations_larger_than_the_pool():
     with pytest.raises(ValueError, match="max_pages"):
         churn_run_lengths(page_num=8, max_pages=9)
+
+
+def test_the_engine_device_allocator_model_keeps_the_padding_page_and_reuses_freed_pages_first():
+    """FreeListAllocator (SGLang's device allocator, held to it in tests/sglang): page 0 stays
+    out; a freed allocation's pages, ascending, are the next handed out."""
+    model = FreeListAllocator(8 * 4, 4)
+    first = model.alloc(3 * 4)
+    assert first is not None and first[::4].tolist() == [4, 8, 12]
+    rest = model.alloc(5 * 4)
+    assert rest is not None and int(rest.max()) == 8 * 4 + 3 and model.alloc(4) is None
+    model.free(first.flip(0))
+    assert model.alloc(2 * 4)[::4].tolist() == [4, 8]

@@ -16,44 +16,23 @@ Run (where SGLang is installed, e.g. `tox -e sglang`'s environment):
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-from collections import deque
 
 import numpy as np
 import torch
 
 from portable_kv.allocator import page_runs
-from portable_kv.bench.staged import FILLS, HOST_RATIO, REQUEST_TOKENS, churned_slots
+from portable_kv.bench.staged import HOST_RATIO, churned_slots
 
 TOKEN_LAYER_BYTES = 4 * (192 + 128) * 2  # MiMo-V2's K + V of one token and layer on one GPU, bf16
 LOAD_BYTES = 100e6  # the bench's per-layer load
 
 
-def device_slots(page_num: int, page_size: int, need_pages: int, need_sort: bool, seed: int = 0) -> torch.Tensor:
-    """The load's device slots as SGLang's allocator hands them out after churn."""
+def sglang_allocator(need_sort: bool):
+    """SGLang's own device allocator, as churned_slots builds allocators (size, page_size)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-    allocator = PagedTokenToKVPoolAllocator(page_num * page_size, page_size, torch.int64, "cpu", None, need_sort)
-    rng = random.Random(seed)
-    max_pages = max(1, REQUEST_TOKENS // page_size)
-    live: deque[torch.Tensor] = deque()
-
-    def take(pages: int) -> torch.Tensor:
-        slots = allocator.alloc(pages * page_size)
-        while slots is None:
-            allocator.free(live.popleft())
-            slots = allocator.alloc(pages * page_size)
-        return slots
-
-    for _ in range(FILLS * page_num * 2 // (max_pages + 1)):
-        live.append(take(rng.randint(1, max_pages)))
-    placed, pages = [], 0
-    while pages < need_pages:
-        n = min(rng.randint(1, max_pages), need_pages - pages)
-        placed.append(take(n))
-        pages += n
-    return torch.cat(placed)
+    return lambda size, page_size: PagedTokenToKVPoolAllocator(size, page_size, torch.int64, "cpu", None, need_sort)
 
 
 def copies(host: torch.Tensor, device: torch.Tensor) -> int:
@@ -73,7 +52,7 @@ def main() -> None:
         need = -(-int(LOAD_BYTES // TOKEN_LAYER_BYTES) // page_size)
         host = churned_slots(int(HOST_RATIO * need * 1.125), page_size, need)
         for need_sort in (False, True):
-            device = device_slots(int(args.device_ratio * need), page_size, need, need_sort)
+            device = churned_slots(int(args.device_ratio * need), page_size, need, allocator=sglang_allocator(need_sort))
             runs = page_runs(device, page_size)
             pages = sum(runs)
             print(f"{page_size:>5} {str(need_sort):>9} {pages:>6} {len(runs):>11} {pages / len(runs):>7.1f} {statistics.median(runs):>6.0f} "

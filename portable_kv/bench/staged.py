@@ -19,6 +19,8 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,14 +50,14 @@ REQUEST_TOKENS = 4096  # an engine's allocations: prefixes of 1 .. this many tok
 FILLS = 4  # churn allocates this many times the pool before the transfer's pages are placed
 
 
-def churned_slots(pool_pages: int, page_size: int, need_pages: int, seed: int = 0, device: bool = False) -> torch.Tensor:
+def churned_slots(pool_pages: int, page_size: int, need_pages: int, seed: int = 0, allocator: Callable[[int, int], Any] = PageRunAllocator) -> torch.Tensor:
     """Slots of `need_pages` pages as an allocator places them after churn: prefixes of
     1..REQUEST_TOKENS tokens allocated, the least recently allocated freed when the pool is full
-    (churn_run_lengths' workload), then the transfer's own prefixes, which nothing evicts.  Host
-    slots by portable_kv's allocator; `device`: device slots by the engine's (FreeListAllocator,
-    over pages 1..pool_pages)."""
+    (churn_run_lengths' workload), then the transfer's own prefixes, which nothing evicts.
+    `allocator(size, page_size)`: host slots by portable_kv's (the default), device slots by an
+    engine's (FreeListAllocator, SGLang's own), anything with alloc(tokens) and free(slots)."""
     max_pages = max(1, min(pool_pages, REQUEST_TOKENS // page_size))  # a request the pool can hold
-    allocator = (FreeListAllocator if device else PageRunAllocator)(pool_pages * page_size, page_size)
+    allocator = allocator(pool_pages * page_size, page_size)
     rng = random.Random(seed)
     live: deque[torch.Tensor] = deque()
 
@@ -88,7 +90,7 @@ class StagedWorkload(Workload):
         if placement in ("allocator", "engine"):
             self.host_idx = churned_slots(self.pool_pages, page_size, self.pages)
             if placement == "engine":  # device pages too as an engine's allocator places them
-                self.dev_idx = churned_slots(self.host_pages - 1, page_size, self.pages, seed=1, device=True)
+                self.dev_idx = churned_slots(self.host_pages - 1, page_size, self.pages, seed=1, allocator=FreeListAllocator)
         else:
             pages = torch.randperm(self.pool_pages, generator=torch.Generator().manual_seed(1))[: self.pages]
             self.host_idx = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
@@ -107,8 +109,7 @@ def measure(clock: Clock, geometry: Geometry, sizes: list[int], names: list[str]
         for pool, placement in [(kind, placement) for kind in pools for placement in PLACEMENTS[kind]]:
             w = StagedWorkload(geometry, page_size, mla_layers if pool == "MLA" else layers, device, placement, pool)
             latent = f", MLA latent of {geometry.mla_dim}" if pool == "MLA" else ""
-            pages = "allocator host pages, engine device pages" if placement == "engine" else f"{placement} host pages"
-            progress(f"page {page_size}, {pages}{latent}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
+            progress(f"page {page_size}, {placed(placement)}{latent}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
             if placement == "allocator" and pool == "MHA":
                 rows += run_lengths(page_size, w.host_idx)
             if placement == "engine":
@@ -120,6 +121,11 @@ def measure(clock: Clock, geometry: Geometry, sizes: list[int], names: list[str]
             if clock.gpu:
                 torch.cuda.empty_cache()
     return rows
+
+
+def placed(placement: str) -> str:
+    """Where a placement's pages lie, as rows name it."""
+    return "allocator host pages, engine device pages" if placement == "engine" else f"{placement} host pages"
 
 
 def run_lengths(page_size: int, slots: torch.Tensor) -> list[Row]:
@@ -149,8 +155,7 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
         rows += [_labelled(r, f"peer: {r.name}, random pages") for r in peers(clock, own, reps, ceil)]
     layouts = {"allocator": HOST_LAYOUTS, "engine": HOST_LAYOUTS[1:], "random": HOST_LAYOUTS[:1]}[w.placement]
     for layout in layouts:
-        pages = "allocator host pages, engine device pages" if w.placement == "engine" else f"{w.placement} host pages"
-        where = ("MLA, " if w.pool == "MLA" else "") + pages + ("" if layout == HOST_LAYOUTS[0] else f", {layout} host")
+        where = ("MLA, " if w.pool == "MLA" else "") + placed(w.placement) + ("" if layout == HOST_LAYOUTS[0] else f", {layout} host")
         with w.host_pool(layout, "kernel") as host:
             for io in IOS:
                 label = f"{name} {io}, {where}"

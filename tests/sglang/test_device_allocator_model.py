@@ -36,4 +36,3 @@ def test_the_model_hands_out_sglangs_slots_through_churn(page_size):
         assert ours is not None and torch.equal(theirs, ours)
         live.append(theirs)
     assert refused > 100, "the churn filled the pool again and again"
-

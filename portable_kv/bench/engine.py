@@ -52,6 +52,7 @@ import torch
 import portable_kv as pk
 
 from .. import backends
+from ..allocator import FreeListAllocator
 from .measure import Clock, gbps
 from .rows import Row, ceiling_text, on_gpu
 from .sections import percent
@@ -380,11 +381,6 @@ def expected_bytes(model: Model, prefix: int, page_size: int) -> tuple[int, int]
     return full, swa
 
 
-def random_pages(total_pages: int, count: int, page_size: int, seed: int) -> torch.Tensor:
-    chosen = torch.randperm(total_pages, generator=torch.Generator().manual_seed(seed))[:count]
-    return (chosen[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-
-
 class Pools:
     """One row's device pools (full, SWA) and the prefix's device slots; host pools per backend."""
 
@@ -398,8 +394,8 @@ class Pools:
         device_pages = {}
         for full, keep in ((True, prefix + new), (False, pages(model.window, page_size) * page_size + new)):
             need = pages(keep, page_size)
-            # spare pages, so that the prefix's slots are scattered as an allocator leaves them
-            device_pages[full] = need + max(8, need // 8)
+            # spare pages, and page 0, which SGLang's allocator keeps for padded tokens
+            device_pages[full] = need + max(8, need // 8) + 1
         self.dev = {
             True: pk.DeviceKVPool(len(self.full_ids), device_pages[True] * page_size, page_size, model.full_kv_heads, model.k_dim,
                                   model.v_dim, dtype=model.torch_dtype, device=device),
@@ -409,8 +405,10 @@ class Pools:
         for pool in self.dev.values():
             for t in (*pool.k_buffer, *pool.v_buffer):
                 t.normal_()  # data, not zeros: the forward's matmuls read these buffers
-        self.dev_idx = {full: random_pages(device_pages[full], self.tokens[full] // page_size, page_size, seed=int(full))
-                        for full in (True, False)}
+        # The prefix's device slots as SGLang's own allocator leaves them after churn (runs where a
+        # freed request's pages are reused whole: direct io merges them with the host's runs).
+        self.dev_idx = {full: churned_slots(device_pages[full] - 1, page_size, self.tokens[full] // page_size, seed=2 + int(full),
+                                            allocator=FreeListAllocator) for full in (True, False)}
         # model layer -> (kind, index in its pool)
         self.slot = {i: (True, j) for j, i in enumerate(self.full_ids)} | {i: (False, j) for j, i in enumerate(self.swa_ids)}
         self.kv = [(self.dev[full].k_buffer[j], self.dev[full].v_buffer[j]) for full, j in (self.slot[i] for i in range(model.layers))]
@@ -682,7 +680,8 @@ def header(rows: list, meta: dict) -> list[str]:
                      f"pools: full {g['full_kv_heads']} KV head(s) K {g['k_dim']} / V {g['v_dim']}, SWA {g['swa_kv_heads']} KV head(s) "
                      f"K {g['swa_k_dim']} / V {g['swa_v_dim']}, {g['dtype']}, host layout {g['host_layout']}, page {g['page_size']}")
     lines.append("  loads: a full layer moves the whole prefix; an SWA layer holds the window only, so it moves the pages of the prefix's "
-                 "last `window` tokens")
+                 "last `window` tokens; the prefix's pages lie where the allocators leave them after churn, host pages by "
+                 "portable_kv's, device pages by SGLang's (its model, FreeListAllocator)")
     seen = set()
     for r in rows:
         e = r.extra

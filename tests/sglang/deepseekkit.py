@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mimokit import WorkerStandIn, hicache_draft_plan, kv_cache_configurator
+from mimokit import WorkerStandIn, hicache_draft_plan, kv_cache_configurator, poll, radix_key
 from mlakit import DTYPES, CpuMlaKvcacheio, fill, same
 
 PAGE = 4
@@ -220,22 +220,6 @@ def resolved_layout_io(workdir: Path, layout: str, io: str) -> tuple[str, str]:
 # -- the cycle ---------------------------------------------------------------------------------
 
 
-def poll(stack: DeepSeekStack, pending, what: str, timeout: float = POLL_TIMEOUT) -> None:
-    """Run the scheduler's per-step HiCache poll until `pending()` is false."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while pending():
-        assert time.monotonic() < deadline, f"{what}: not done after {timeout} s"
-        stack.tree.check_hicache_events()
-
-
-def radix_key(stack: DeepSeekStack, token_ids: list):
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    return RadixKey(array("q", token_ids), is_bigram=stack.tree.tree_core.is_eagle)
-
-
 def run_cycle(stack: DeepSeekStack, *, pages: int = 5, seed: int = 0) -> torch.Tensor:
     """insert (write-through) -> evict device -> load back (per layer, waited as a forward pass waits) -> evict host.
 
@@ -261,7 +245,7 @@ def run_cycle(stack: DeepSeekStack, *, pages: int = 5, seed: int = 0) -> torch.T
     if boundary:
         stack.allocator.free(rows[tokens:])
     assert tree.ongoing_write_through, "write_through should back the new node up"
-    poll(stack, lambda: tree.ongoing_write_through, "the host backup")
+    poll(stack, lambda: tree.ongoing_write_through, "the host backup", POLL_TIMEOUT)
     assert tree.evict(EvictParams(num_tokens=tokens)).num_tokens_evicted == tokens
     assert stack.allocator.available_size() == device_free
 
@@ -286,7 +270,7 @@ def run_cycle(stack: DeepSeekStack, *, pages: int = 5, seed: int = 0) -> torch.T
         for layer in range(LAYERS):
             stack.kvcache.get_key_buffer(layer)
             assert same(buffers[layer][loaded], originals[layer]), f"layer {layer}: loaded rows differ from the written ones"
-        poll(stack, lambda: tree.ongoing_load_back, "the load back")
+        poll(stack, lambda: tree.ongoing_load_back, "the load back", POLL_TIMEOUT)
         for depth in range(len(stack.drafts)):  # the draft runner runs after the target's forward
             assert same(buffers[LAYERS + depth][loaded], originals[LAYERS + depth]), f"MTP draft {depth}: loaded rows differ"
     finally:

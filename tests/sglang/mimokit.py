@@ -583,7 +583,7 @@ def _record_layer_calls(stack: MimoStack, calls: list, exit_stack: contextlib.Ex
         exit_stack.callback(delattr, pool, "load_to_device_per_layer_physical")
 
 
-def _poll(stack: MimoStack, pending, timeout: float, what: str) -> None:
+def poll(stack: Any, pending, what: str, timeout: float) -> None:
     """Run the scheduler's per-step HiCache poll (the tree's check_hicache_events) until `pending()` is false."""
     deadline = time.monotonic() + timeout
     while pending():
@@ -591,7 +591,7 @@ def _poll(stack: MimoStack, pending, timeout: float, what: str) -> None:
         stack.tree.check_hicache_events()
 
 
-def _radix_key(stack: MimoStack, token_ids: list):
+def radix_key(stack: Any, token_ids: list):
     """The tree's key for a token sequence, as the scheduler builds it: token bigrams under EAGLE."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -626,13 +626,13 @@ def _cache_in_tree(stack: MimoStack, token_ids: list, rows: torch.Tensor, tokens
     """
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
-    key = _radix_key(stack, token_ids).page_aligned(PAGE)
+    key = radix_key(stack, token_ids).page_aligned(PAGE)
     assert len(key) == tokens
     stack.tree.insert(InsertParams(key=key, value=rows[:tokens].to(torch.int64, copy=True)))
     if len(rows) > tokens:
         stack.allocator.free(rows[tokens:])  # release_kv_cache frees what the tree did not take
     assert stack.tree.ongoing_write_through, "write_through should back the new node up"
-    _poll(stack, lambda: stack.tree.ongoing_write_through, timeout, "the host backup")
+    poll(stack, lambda: stack.tree.ongoing_write_through, "the host backup", timeout)
 
 
 def _evict_device(stack: MimoStack, tokens: int, device_free: tuple) -> None:
@@ -664,7 +664,7 @@ def _match(stack: MimoStack, req, token_ids: list):
     """match_prefix for the request, its result recorded on the request as init_next_round_input records it."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
-    match = stack.tree.match_prefix(MatchPrefixParams(key=_radix_key(stack, token_ids), req=req))
+    match = stack.tree.match_prefix(MatchPrefixParams(key=radix_key(stack, token_ids), req=req))
     req.prefix_len = match.device_prefix_len
     req.last_node, req.last_host_node, req.best_match_node = match.last_device_node, match.last_host_node, match.best_match_node
     req.host_hit_length, req.swa_host_hit_length, req.mamba_host_hit_length = match.host_hit_length, match.swa_host_hit_length, match.mamba_host_hit_length
@@ -713,7 +713,7 @@ def _load_and_check(stack: MimoStack, token_ids: list, originals: dict, report: 
                 for part in ("k", "v"):
                     got = buffers[("draft", depth, part)][report.loaded_swa.to(stack.kvcache.device)]
                     assert _equal(got, originals[("draft", depth, part)]), f"MTP draft {depth} {part.upper()}: loaded rows differ from the written ones"
-            _poll(stack, lambda: stack.tree.ongoing_load_back, timeout, "the load back")
+            poll(stack, lambda: stack.tree.ongoing_load_back, "the load back", timeout)
     finally:
         stack.req_to_token_pool.free(req)
 
@@ -786,7 +786,7 @@ def run_file_cycle(stack: MimoStack, *, pages: int = 5, seed: int = 1, timeout: 
         backups = _record_puts(stack.controller.ack_backup_queue, recording)
         _cache_in_tree(stack, token_ids, rows, tokens, timeout)
         assert tree.ongoing_backup, "the write ack should back the node up to the file tier"
-        _poll(stack, lambda: tree.ongoing_backup, timeout, "the backup to the file tier")
+        poll(stack, lambda: tree.ongoing_backup, "the backup to the file tier", timeout)
     assert sum(backup.completed_tokens for backup in backups) == tokens, f"backed up {[b.completed_tokens for b in backups]} of {tokens} tokens to the file tier"
     assert sum(_swa_pages(backup.pool_storage_result.extra_pool_hit_pages) or 0 for backup in backups) == pages, "SWA pages backed up: " + str([b.pool_storage_result.extra_pool_hit_pages for b in backups])
 
@@ -807,7 +807,7 @@ def run_file_cycle(stack: MimoStack, *, pages: int = 5, seed: int = 1, timeout: 
             acks = _record_puts(stack.controller.ack_prefetch_queue, recording)
             tree.prefetch_from_storage(handle, match.last_host_node, array("q", token_ids), tree.get_last_hash_value(match.last_host_node), matched_prefix_tokens=array("q"))
             assert tree.ongoing_prefetch, "the tree should prefetch the prompt from the file tier"
-            _poll(stack, lambda: not tree.check_prefetch_progress(handle), timeout, "the prefetch from the file tier")
+            poll(stack, lambda: not tree.check_prefetch_progress(handle), "the prefetch from the file tier", timeout)
         loaded, _ = tree.pop_prefetch_loaded_span(handle)
     finally:
         stack.req_to_token_pool.free(req)

@@ -29,3 +29,17 @@ def device_pool(k_dim: int, v_dim: int, layers: dict | None = None):
         buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, buffer.shape, generator=generator, dtype=torch.int16))
     allocator = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, PAGE, DTYPE, "cpu", pool, need_sort=False)
     return pool, allocator
+
+
+def record_io_paths(host) -> list[str]:
+    """The io path of every transfer `host` makes from now on, in order (its `_transfer`
+    wrapped on the instance)."""
+    used: list[str] = []
+    transfer = host._transfer
+
+    def recorded(device_pool, host_indices, device_indices, layers, to_device, io_backend):
+        used.append(io_backend)
+        transfer(device_pool, host_indices, device_indices, layers, to_device, io_backend)
+
+    host._transfer = recorded
+    return used

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from sglangkit import DEVICE_TOKENS, DTYPE, HEADS, LAYERS, PAGE, SKIP_REASON, device_pool
+from sglangkit import DEVICE_TOKENS, DTYPE, HEADS, LAYERS, PAGE, SKIP_REASON, device_pool, record_io_paths
 
 pytest.importorskip("sglang.srt.managers.cache_controller", reason=SKIP_REASON)
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
@@ -133,14 +133,7 @@ def test_the_sglang_io_setting_maps_sglangs_choice_to_a_portable_kv_path(topolog
     topology(hicache_ratio=2.0, hicache_mem_layout="layer_first", hicache_io_backend=sglang_io)
     dev, allocator = device_pool(24, 16)
     host = build_kv_host_pool(kv_pool=dev, page_size=PAGE)
-    used = []
-    transfer = host._transfer
-
-    def recorded(device_pool, host_indices, device_indices, layers, to_device, io_backend):
-        used.append(io_backend)
-        transfer(device_pool, host_indices, device_indices, layers, to_device, io_backend)
-
-    host._transfer = recorded
+    used = record_io_paths(host)
     written, loaded = write_then_load(allocator, host, sglang_io)
     assert used and set(used) == {path}
     assert all(torch.equal(k[loaded].view(torch.int16), k[written].view(torch.int16)) for k in dev.k_buffer)

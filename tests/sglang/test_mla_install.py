@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from mlakit import KV_CACHE_DIM, KV_LORA_RANK, LAYERS, PAGE, QK_ROPE_HEAD_DIM, device_pool, plain_controller, same, write_free_load
-from sglangkit import SKIP_REASON
+from sglangkit import SKIP_REASON, record_io_paths
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host.mla", reason=SKIP_REASON)
 import msgspec  # noqa: E402  (one of SGLang's dependencies)
@@ -133,14 +133,7 @@ def test_the_sglang_io_setting_maps_an_mla_pools_io_as_an_mha_pools(topology, in
     topology(hicache_ratio=2.0, hicache_mem_layout=layout, hicache_io_backend=sglang_io)
     dev, allocator = device_pool(torch.bfloat16)
     host = build_kv_host_pool(kv_pool=dev, page_size=PAGE)
-    used = []
-    transfer = host._transfer
-
-    def recorded(device_pool, host_indices, device_indices, layers, to_device, io_backend):
-        used.append(io_backend)
-        transfer(device_pool, host_indices, device_indices, layers, to_device, io_backend)
-
-    host._transfer = recorded
+    used = record_io_paths(host)
     controller = plain_controller(allocator, host, sglang_io)
     write_free_load(controller, dev, allocator, allocator.alloc(2 * PAGE), torch.Generator().manual_seed(3))
     assert used and set(used) == {path}

@@ -304,7 +304,7 @@ def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, n
     b = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
     c = torch.empty_like(a)
     rows = []
-    for io in ("kernel", "direct", "staged"):  # SMs at the block quota, copy engines alone, both
+    for io in IOS:  # SMs at the block quota, copy engines alone, both, and the one auto picks
         alone, _ = clock.time(lambda: [torch.mm(a, b, out=c) for _ in range(matmuls)], 3)
         calls = max(4, int(alone / (w.layer_bytes / 50e9)) + 2)
         side = torch.cuda.Stream()
@@ -324,7 +324,9 @@ def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, n
         t_end.record(side)
         torch.cuda.synchronize()
         busy, moved = m_start.elapsed_time(m_end) / 1e3, t_start.elapsed_time(t_end) / 1e3
+        extra = {"matmul_slowdown_pct": 100 * (busy / alone - 1), "matmul_alone_ms": alone * 1e3, "loads": calls}
+        if io == "auto":
+            extra["auto_took"] = host._mover(io).last_choice  # noqa: SLF001 -- the bench reports the path auto took
         rows.append(Row("staged", f"{name} {io} load during matmul, interleaved, {where}", "h2d", w.page_size,
-                        gbps(calls * w.layer_bytes, moved), host_us=host_s / calls * 1e6,
-                        extra={"matmul_slowdown_pct": 100 * (busy / alone - 1), "matmul_alone_ms": alone * 1e3, "loads": calls}))
+                        gbps(calls * w.layer_bytes, moved), host_us=host_s / calls * 1e6, extra=extra))
     return rows

@@ -347,6 +347,10 @@ class Forward:
     def forget(self) -> None:
         """Drop the layers' graphs and views (they hold the device pools' buffers)."""
         self._layers.clear()
+        if self._pool is not None:
+            # torch releases a graph memory pool once its last graph is gone, and asserts if
+            # a capture names it again: the next graphs share a new one.
+            self._pool = torch.cuda.graph_pool_handle()
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:

@@ -2,9 +2,12 @@
 new, old, so that a drift of the host or the link shows as spread, not as a difference),
 then every row of the two side by side.
 
-A row is slower when the new tree's mean is below the old one's by more than
+A row is compared twice: in GB/s, and as a share of the ceiling its own run measured
+(the bulk memcpy of the same direction), which takes out a drift of the link between
+runs. It is slower when the new tree's mean is below the old one's by more than
 max(2%, the run-to-run spread of that row on either tree), the spread being how far a
-tree's two runs differ. Rows are matched by section, name, direction and page size.
+tree's runs differ; the last column says in which of the two measures. Rows are matched
+by section, name, direction and page size; the ceiling rows are compared in GB/s only.
 
 Run: python3 tools/bench_ab.py --old /path/to/old/tree --out DIR [--rounds 2] -- --section staged --quick
      python3 tools/bench_ab.py --compare DIR      (the table again from DIR's JSON)
@@ -34,12 +37,23 @@ def run(tree: Path, label: str, out: Path, bench_args: list[str]) -> None:
         print(f"[ab] {label}: exit status {code} (see {out / (label + '.txt')})", flush=True)
 
 
-def rows(path: Path) -> dict[tuple, float]:
+def rows(path: Path) -> dict[tuple, tuple[float, float | None]]:
+    """A run's rows: (GB/s, share of that run's ceiling of the row's direction or None)."""
+    data = json.loads(path.read_text())
+    ceiling = data.get("meta", {}).get("ceiling", {})
     found = {}
-    for row in json.loads(path.read_text())["rows"]:
+    for row in data["rows"]:
         if row.get("gbps"):
-            found[(row["section"], row["name"], row["direction"], row["page_size"])] = row["gbps"]
+            base = ceiling.get(row["direction"]) if row["section"] != "ceiling" else None
+            found[(row["section"], row["name"], row["direction"], row["page_size"])] = (row["gbps"], row["gbps"] / base if base else None)
     return found
+
+
+def slower(old: list[float], new: list[float]) -> tuple[float, float, bool]:
+    """new/old of the means, the larger tree's spread, and whether new is slower by more than max(2%, spread)."""
+    spread = max((max(v) - min(v)) / mean(v) for v in (old, new))
+    ratio = mean(new) / mean(old)
+    return ratio, spread, ratio < 1 - max(0.02, spread)
 
 
 def compare(out: Path) -> list[str]:
@@ -47,17 +61,25 @@ def compare(out: Path) -> list[str]:
     if not runs["old"] or not runs["new"]:
         raise SystemExit(f"{out}: expected old_*.json and new_*.json")
     keys = [k for k in runs["old"][0] if all(k in r for tree in runs.values() for r in tree)]
-    lines = ["| section | row | dir | page | old GB/s | new GB/s | new/old | spread | |", "|---|---|---|---|---|---|---|---|---|"]
-    slower = 0
+    lines = ["| section | row | dir | page | old GB/s | new GB/s | new/old | spread | new/old of % ceiling | spread | slower |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    counts = {"GB/s": 0, "% ceiling": 0, "both": 0}
     for key in keys:
-        old, new = ([r[key] for r in runs[tree]] for tree in ("old", "new"))
-        spread = max((max(v) - min(v)) / mean(v) for v in (old, new))
-        ratio = mean(new) / mean(old)
-        flag = "slower" if ratio < 1 - max(0.02, spread) else ""
-        slower += bool(flag)
+        old, new = ([r[key][0] for r in runs[tree]] for tree in ("old", "new"))
+        ratio, spread, by_rate = slower(old, new)
+        shares = [[r[key][1] for r in runs[tree]] for tree in ("old", "new")]
+        share_cells, by_share = "| - | - |", False
+        if all(v is not None for v in (*shares[0], *shares[1])):
+            share_ratio, share_spread, by_share = slower(*shares)
+            share_cells = f"| {share_ratio:.3f} | {share_spread:.1%} |"
+        flag = "both" if by_rate and by_share else "GB/s" if by_rate else "% ceiling" if by_share else ""
+        if flag:
+            counts[flag] += 1
         section, name, direction, page = key
-        lines.append(f"| {section} | {name} | {direction} | {page} | {mean(old):.2f} | {mean(new):.2f} | {ratio:.3f} | {spread:.1%} | {flag} |")
-    lines.append(f"\n{len(keys)} rows, {slower} slower than max(2%, spread)")
+        lines.append(f"| {section} | {name} | {direction} | {page} | {mean(old):.2f} | {mean(new):.2f} | {ratio:.3f} | {spread:.1%} "
+                     f"{share_cells} {flag} |")
+    lines.append(f"\n{len(keys)} rows; slower than max(2%, spread) in GB/s and as a share of the run's ceiling: {counts['both']}; "
+                 f"in GB/s only: {counts['GB/s']}; as a share only: {counts['% ceiling']}")
     return lines
 
 

@@ -52,3 +52,35 @@ def test_tool_uses_public_names(name):
         if attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__")) and (name, attr) not in ALLOWED_PRIVATE:
             private.add(attr)
     assert not private, f"tools/{name} reaches into private names {sorted(private)}: use the public API (docs/API.md)"
+
+
+def _bench_ab():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_ab", TOOLS / "bench_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(path: Path, ceiling: float, rate: float) -> None:
+    import json
+    rows = [{"section": "ceiling", "name": "bulk", "direction": "h2d", "page_size": 0, "gbps": ceiling},
+            {"section": "staged", "name": "cuda kernel", "direction": "h2d", "page_size": 64, "gbps": rate}]
+    path.write_text(json.dumps({"meta": {"ceiling": {"h2d": ceiling}}, "rows": rows}))
+
+
+def test_bench_ab_tells_a_drift_of_the_link_from_a_slower_row(tmp_path):
+    compare = _bench_ab().compare
+    drift, slower = tmp_path / "drift", tmp_path / "slower"
+    for folder in (drift, slower):
+        folder.mkdir()
+    # The link drifted down 10% for the new tree's runs; the row followed it.
+    for name, ceiling, rate in (("old_1", 55.0, 50.0), ("old_2", 55.0, 50.1), ("new_1", 49.5, 45.0), ("new_2", 49.5, 45.1)):
+        _run(drift / f"{name}.json", ceiling, rate)
+    # The same ceiling for all four runs; the row 10% slower with the new tree.
+    for name, rate in (("old_1", 50.0), ("old_2", 50.1), ("new_1", 45.0), ("new_2", 45.1)):
+        _run(slower / f"{name}.json", 55.0, rate)
+    drifted = {line.split("|")[2].strip(): line.rstrip(" |").rsplit("|", 1)[-1].strip() for line in compare(drift) if line.startswith("| ")}
+    assert drifted["bulk"] == "GB/s"  # the ceiling row is compared in GB/s only
+    assert drifted["cuda kernel"] == "GB/s"  # slower in GB/s, not as a share of its run's ceiling
+    assert compare(slower)[-1].endswith("in GB/s and as a share of the run's ceiling: 1; in GB/s only: 0; as a share only: 0")

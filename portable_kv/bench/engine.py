@@ -451,6 +451,11 @@ class HostSide:
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for h in self.host.values() for t in (h.k_buffer, h.v_buffer))
 
+    def auto_took(self) -> dict[str, str]:
+        """The path `auto` took for each pool's latest load (a full and an SWA layer's)."""
+        return {"full" if full else "swa": host._mover("auto").last_choice  # noqa: SLF001 -- the bench reports auto's choice
+                for full, host in self.host.items()}
+
     def close(self) -> None:
         for host in self.host.values():
             host.close()
@@ -624,15 +629,18 @@ def _measure(clock: Clock, sizes: list[int], names: list[str], reps: int, quick:
                     loads_s, loads_host_s = clock.time(engine.loads, reps)
                     verified = engine.loaded_correctly()
                     prefill_s, host_s = clock.time(engine.prefill, reps)
+                    took = side.auto_took() if io == "auto" else {}
                     progress(f"    {name} {io}: prefill {prefill_s * 1e3:.2f} ms, forward alone {compute_s * 1e3:.2f}, "
-                             f"loads alone {loads_s * 1e3:.2f}, bound {limit * 1e3:.2f}")
+                             f"loads alone {loads_s * 1e3:.2f}, bound {limit * 1e3:.2f}"
+                             + "".join(f", {kind} layers {path}" for kind, path in took.items()))
                     eff = gbps(total, loads_s)
                     rows.append(Row(SECTION, f"{name} {io}", "h2d", page_size, eff, percent(eff, ceil, "h2d"),
                                     host_s * 1e6, extra={**common, "io": io, "backend": name, "prefill_ms": prefill_s * 1e3,
                                                          "loads_ms": loads_s * 1e3, "exposed_ms": (prefill_s - compute_s) * 1e3,
                                                          "prefill_host_ms": host_s * 1e3, "loads_host_ms": loads_host_s * 1e3,
                                                          "prefill_vs_bound": prefill_s / limit, "vs_recompute": recompute_s / prefill_s,
-                                                         "host_pool_mb": side.host_bytes() / 1e6, "verified": verified}))
+                                                         "host_pool_mb": side.host_bytes() / 1e6, "verified": verified,
+                                                         **({"auto_took": took} if took else {})}))
                     del engine
             finally:
                 side.close()

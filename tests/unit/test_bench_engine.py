@@ -47,6 +47,13 @@ def test_cpu_run_has_a_row_per_case_and_io_path(cpu_run):
     assert geometry["full_layers"] == [0, 5] and geometry["window"] == CPU_MODEL.window and geometry["sources"]
     assert {r["name"] for r in rows if "break_even_tokens" in r["extra"]} == {f"cpu {io} break-even" for io in engine.IOS}
     assert meta["ceiling"]["memcpy"] > 0
+    # the auto rows say which path auto took for each pool's loads; the other rows do not
+    for r in measured:
+        took = r["extra"].get("auto_took")
+        if r["extra"]["io"] == "auto":
+            assert set(took) == {"full", "swa"} and set(took.values()) <= {"kernel", "direct", "staged"}, took
+        else:
+            assert took is None
 
 
 def test_cpu_run_loads_the_prefix_for_full_layers_and_the_window_for_swa_layers(cpu_run):

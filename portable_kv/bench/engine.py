@@ -56,7 +56,7 @@ from ..allocator import FreeListAllocator
 from .measure import Clock, gbps
 from .rows import Row, ceiling_text, on_gpu
 from .sections import percent
-from .staged import REQUEST_TOKENS, churned_slots
+from .staged import REQUEST_TOKENS, auto_took, churned_slots
 
 SECTION = "engine"
 IOS = ("kernel", "direct", "staged", "auto")
@@ -453,8 +453,7 @@ class HostSide:
 
     def auto_took(self) -> dict[str, str]:
         """The path `auto` took for each pool's latest load (a full and an SWA layer's)."""
-        return {"full" if full else "swa": host._mover("auto").last_choice  # noqa: SLF001 -- the bench reports auto's choice
-                for full, host in self.host.items()}
+        return {"full" if full else "swa": auto_took(host) for full, host in self.host.items()}
 
     def close(self) -> None:
         for host in self.host.values():

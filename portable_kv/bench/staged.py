@@ -174,6 +174,11 @@ def section(clock: Clock, w: StagedWorkload, reps: int, ceil: dict, name: str, w
     return rows
 
 
+def auto_took(host: pk.AsymmetricHostPool | pk.MLAHostPool) -> str:
+    """The io path `host`'s latest call with io_backend="auto" took."""
+    return host._mover("auto").last_choice  # noqa: SLF001 -- the bench reports the path auto took
+
+
 def _labelled(row: Row, name: str) -> Row:
     row.name, row.section = name, "staged"
     return row
@@ -190,7 +195,7 @@ def _with_sms(row: Row, backend, host: pk.AsymmetricHostPool | pk.MLAHostPool, w
             host.backup_from_device_all_layer(w.dev, w.host_idx, w.dev_idx, io_backend=io)
         mover = host._mover(io)  # noqa: SLF001 -- the bench reports the path a call took
         if io == "auto":
-            taken = row.extra["auto_took"] = mover.last_choice
+            taken = row.extra["auto_took"] = auto_took(host)
             mover = mover.movers["staged"]
         if taken == "staged":
             taken = row.extra["staged_took"] = mover.last_path
@@ -326,7 +331,7 @@ def interference(clock: Clock, w: StagedWorkload, host: pk.AsymmetricHostPool, n
         busy, moved = m_start.elapsed_time(m_end) / 1e3, t_start.elapsed_time(t_end) / 1e3
         extra = {"matmul_slowdown_pct": 100 * (busy / alone - 1), "matmul_alone_ms": alone * 1e3, "loads": calls}
         if io == "auto":
-            extra["auto_took"] = host._mover(io).last_choice  # noqa: SLF001 -- the bench reports the path auto took
+            extra["auto_took"] = auto_took(host)
         rows.append(Row("staged", f"{name} {io} load during matmul, interleaved, {where}", "h2d", w.page_size,
                         gbps(calls * w.layer_bytes, moved), host_us=host_s / calls * 1e6, extra=extra))
     return rows

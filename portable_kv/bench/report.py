@@ -112,11 +112,13 @@ def markdown(rows: list[Row], meta: dict) -> str:
         lines += ["", "GB/s: the bytes of a per-layer load and a per-layer backup on two streams, over the span of both."]
     inter = [r for r in rows if r.section == "interference" and r.direction == "h2d"]
     if inter:
-        lines += ["", "| during a bf16 matmul loop | load GB/s | matmul slowdown | loads' span under the matmuls |", "|---|---|---|---|"]
+        lines += ["", "| during a bf16 matmul loop | load GB/s | matmul slowdown | loads' span under the matmuls | host us a load |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {r.name} | {r.gbps:.1f} | {r.extra.get('matmul_slowdown_pct', 0):+.1f}% | "
-                  + (f"{r.extra['overlap_pct']:.0f}%" if "overlap_pct" in r.extra else "") + " |" for r in inter]
+                  + (f"{r.extra['overlap_pct']:.0f}%" if "overlap_pct" in r.extra else "") + (f" | {r.host_us:.0f} |" if r.host_us else " |  |") for r in inter]
         lines += ["", "Load GB/s: per-layer loads on a side stream while the matmuls run; slowdown: the matmuls' time against "
-                  "the same loop alone; span: how much of the loads' time the matmuls covered (a low share says little about interference)."]
+                  "the same loop alone; span: how much of the loads' time the matmuls covered (a low share says little about interference); "
+                  "host us: the caller's time in a load call (empty: not recorded)."]
     return "\n".join(lines) + "\n"
 
 

@@ -8,6 +8,7 @@ events come from torch's cuda namespace, which serves ROCm builds too.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -190,9 +191,13 @@ def interference(clock: Clock, w: Workload, name: str) -> list[Row]:
             side.wait_stream(torch.cuda.current_stream())
             calls = max(4, int(alone / (w.layer_bytes / 50e9)) + 2)
 
-            def load(i: int, host=host, side=side) -> None:
+            host_s = [0.0]
+
+            def load(i: int, host=host, side=side, host_s=host_s) -> None:
+                t0 = time.perf_counter()
                 with torch.cuda.stream(side):
                     host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, i % w.layers)
+                host_s[0] += time.perf_counter() - t0
 
             t_start.record(side)
             if order == "loads first":  # every load queued, then the compute
@@ -216,7 +221,9 @@ def interference(clock: Clock, w: Workload, name: str) -> list[Row]:
         # mostly outside the compute says little about interference.
         overlap = max(0.0, min(t_start.elapsed_time(m_end) / 1e3, moved) - max(t_start.elapsed_time(m_start) / 1e3, 0.0))
         label = f"{name} {io} load during matmul, {order}" + (", high-priority stream" if priority else "")
-        rows.append(Row("interference", label, "h2d", w.page_size, gbps(calls * w.layer_bytes, moved),
+        # The host's time per load call: the matmuls enqueued after a call wait for it, and a call
+        # that waits on the device (a driver queue full, a synchronising allocation) shows here.
+        rows.append(Row("interference", label, "h2d", w.page_size, gbps(calls * w.layer_bytes, moved), host_us=host_s[0] / calls * 1e6,
                         extra={"matmul_slowdown_pct": 100 * (busy / alone - 1), "overlap_pct": 100 * overlap / moved,
                                "matmul_s": busy, "alone_s": alone}))
     return rows

@@ -311,7 +311,7 @@ def test_markdown_summary_of_gpu_sections():
         Row("block_quota", "cuda kernel, 8 blocks", "d2h", 64, 52.3, 94.7, grid=8, extra={"block_quota": 8}),
         Row("block_quota", "cuda kernel, 16 blocks", "h2d", 64, 50.4, 91.2, grid=16, extra={"block_quota": 16}),
         Row("both", "cuda load kernel + backup kernel at once", "both", 64, 61.3, 61.5),
-        Row("interference", "cuda kernel load during matmul", "h2d", 64, 32.0, extra={"matmul_slowdown_pct": 4.25}),
+        Row("interference", "cuda kernel load during matmul", "h2d", 64, 32.0, host_us=118.4, extra={"matmul_slowdown_pct": 4.25}),
     ]
     meta = {"gpu": "NVIDIA H200", "device": "cuda:0", "ceiling": {"h2d": 55.3, "d2h": 55.2, "both": 99.7}}
     text = markdown(rows, meta)
@@ -320,7 +320,7 @@ def test_markdown_summary_of_gpu_sections():
     assert "page_first kernel" not in text  # the README table is the page_first_direct one
     assert "| peer: per-page copy_ loop | 8.6 (16%) |  | 11500 |" in text
     assert "| 8 blocks | 16 blocks |" in text and "| cuda, page 64 | 41.2 / 52.3 | 50.4 |" in text
-    assert "| cuda load kernel + backup kernel at once | 61.3 | 62% |" in text and "| +4.2% |  |" in text
+    assert "| cuda load kernel + backup kernel at once | 61.3 | 62% |" in text and "| +4.2% |  | 118 |" in text
     tables = text.split("\n\n")
     assert all(block.startswith("|") is False or next_block[0] != "|" for block, next_block in zip(tables, tables[1:] + ["x"]))
 

@@ -1,6 +1,8 @@
 """The benchmark on two trees of the package in one run, one after the other (old, new,
-new, old, so that a drift of the host or the link shows as spread, not as a difference),
-then every row of the two side by side.
+new, old, so that a drift of the host or the link shows as spread, not as a difference;
+--new-first: new, old, old, new, for an effect of the place in the call, such as a GPU that
+warms up, which the first order lays on the new tree alone), then every row of the two
+side by side.
 
 A row is compared twice: in GB/s, and as a share of the ceiling its own run measured
 (the bulk memcpy of the same direction), which takes out a drift of the link between
@@ -9,7 +11,7 @@ max(2%, the run-to-run spread of that row on either tree), the spread being how 
 tree's runs differ; the last column says in which of the two measures. Rows are matched
 by section, name, direction and page size; the ceiling rows are compared in GB/s only.
 
-Run: python3 tools/bench_ab.py --old /path/to/old/tree --out DIR [--rounds 2] -- --section staged --quick
+Run: python3 tools/bench_ab.py --old /path/to/old/tree --out DIR [--rounds 2] [--new-first] -- --section staged --quick
      python3 tools/bench_ab.py --compare DIR      (the table again from DIR's JSON)
 """
 
@@ -83,11 +85,19 @@ def compare(out: Path) -> list[str]:
     return lines
 
 
+def run_order(rounds: int, new_first: bool = False) -> list[tuple[str, str]]:
+    """(tree, label) of each run: the trees alternate, each round in the other order."""
+    first, second = ("new", "old") if new_first else ("old", "new")
+    pairs = [(first, second) if i % 2 == 0 else (second, first) for i in range(rounds)]
+    return [(tree, f"{tree}_{i}") for i, pair in enumerate(pairs, 1) for tree in pair]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", type=Path, help="the old tree (a checkout or `git archive` of it)")
     parser.add_argument("--out", type=Path, default=Path("out/ab"))
     parser.add_argument("--rounds", type=int, default=2, help="runs per tree, alternating")
+    parser.add_argument("--new-first", action="store_true", help="new, old, old, new rather than old, new, new, old")
     parser.add_argument("--compare", type=Path, help="only print the table of an earlier run's folder")
     args, bench_args = parser.parse_known_args()
     bench_args = [a for a in bench_args if a != "--"]
@@ -97,10 +107,8 @@ def main() -> None:
     if args.old is None:
         parser.error("--old: expected the old tree's path")
     args.out.mkdir(parents=True, exist_ok=True)
-    order = [("old", "new") if i % 2 == 0 else ("new", "old") for i in range(args.rounds)]
-    for i, pair in enumerate(order, 1):
-        for tree in pair:
-            run(args.old.resolve() if tree == "old" else NEW, f"{tree}_{i}", args.out, bench_args)
+    for tree, label in run_order(args.rounds, args.new_first):
+        run(args.old.resolve() if tree == "old" else NEW, label, args.out, bench_args)
     table = compare(args.out)
     (args.out / "ab.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))

@@ -84,3 +84,10 @@ def test_bench_ab_tells_a_drift_of_the_link_from_a_slower_row(tmp_path):
     assert drifted["bulk"] == "GB/s"  # the ceiling row is compared in GB/s only
     assert drifted["cuda kernel"] == "GB/s"  # slower in GB/s, not as a share of its run's ceiling
     assert compare(slower)[-1].endswith("in GB/s and as a share of the run's ceiling: 1; in GB/s only: 0; as a share only: 0")
+
+
+def test_bench_ab_run_order_puts_each_tree_first_and_last_in_turn():
+    run_order = _bench_ab().run_order
+    assert [t for t, _ in run_order(2)] == ["old", "new", "new", "old"]
+    assert run_order(2, new_first=True) == [("new", "new_1"), ("old", "old_1"), ("old", "old_2"), ("new", "new_2")]
+    assert [label for _, label in run_order(3)] == ["old_1", "new_1", "new_2", "old_2", "old_3", "new_3"]

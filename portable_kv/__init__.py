@@ -20,7 +20,8 @@ _LAZY = {
     "MLAHostPool": ("portable_kv.mla", "MLAHostPool"),
     "backends": ("portable_kv.backends", None),
     "storage": ("portable_kv.storage", None),
-    "sglang": ("portable_kv.sglang", None),
+    "sglang": ("portable_kv.engines.sglang", None),
+    "engines": ("portable_kv.engines", None),
 }
 
 if TYPE_CHECKING:

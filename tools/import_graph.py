@@ -23,7 +23,7 @@ LAYERS = (
     ("io paths", ("io",)),
     ("backends", ("backends",)),
     ("host pool", ("numa", "allocator", "device_pool", "host_memory", "validation", "pages", "sglang_surface", "pool", "mla")),
-    ("integrations", ("storage", "sglang_pool", "sglang_mla", "sglang")),
+    ("integrations", ("storage", "engines", "sglang", "sglang_mla")),
     ("commands", ("testing", "check", "bench", "cli", "__init__", "__main__")),
 )
 

@@ -268,7 +268,7 @@ def test_sglang_takes_its_cuda_paths(kit):
 @needs_gpu_sglang
 @pytest.mark.parametrize(("path", "io", "layout"), IO_CASES, ids=[f"{p}-sglang_{io}-{layout}" for p, io, layout in IO_CASES])
 def test_controller_streams_and_per_layer_waits_are_bit_exact(kit, gpu, compute, cycles_per_ms, path, io, layout, monkeypatch, tmp_path):
-    from portable_kv.sglang import SGLangHostPool
+    from portable_kv.engines.sglang import SGLangHostPool
 
     if path in ("staged", "auto"):
         monkeypatch.setenv("PORTABLE_KV_SGLANG_IO", path)

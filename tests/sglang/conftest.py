@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from sglangkit import DEVICE_TOKENS, DTYPE, HEADS, LAYERS, PAGE, SKIP_REASON, device_pool  # noqa: F401
 
-import portable_kv.sglang as pk_sglang
+import portable_kv.engines.sglang as pk_sglang
 
 
 @pytest.fixture

@@ -145,7 +145,7 @@ def build_stack(workdir: Path, layout: str, io: str, *, dtype: str = "bf16", mtp
     from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_spec, reset_context
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    import portable_kv.sglang as pk_sglang
+    import portable_kv.engines.sglang as pk_sglang
 
     exit_stack = contextlib.ExitStack()
     try:

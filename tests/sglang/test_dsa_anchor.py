@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_host_p
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 
-from portable_kv.sglang_mla import SGLangMLAHostPool  # noqa: E402
+from portable_kv.engines.sglang.mla import SGLangMLAHostPool  # noqa: E402
 
 PAGE = 64  # DSA's indexer keeps 64-token pages
 TOKENS, LAYERS, KV_LORA_RANK, QK_ROPE_HEAD_DIM, INDEX_HEAD_DIM = 512, 2, 32, 16, 128

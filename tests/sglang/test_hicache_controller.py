@@ -12,7 +12,7 @@ pytest.importorskip("sglang.srt.managers.cache_controller", reason=SKIP_REASON)
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool  # noqa: E402
 
-import portable_kv.sglang as pk_sglang  # noqa: E402
+import portable_kv.engines.sglang as pk_sglang  # noqa: E402
 
 # What the controller accepts (its move_indices): kernel io with any layout,
 # direct io with layer_first and page_first_direct.

@@ -37,7 +37,7 @@ from mimokit import (  # noqa: E402
     write_model_config,
 )
 
-from portable_kv.sglang import SGLangHostPool  # noqa: E402
+from portable_kv.engines.sglang import SGLangHostPool  # noqa: E402
 
 K_DIM = MIMO_V2_FLASH_CONFIG["head_dim"]
 V_DIM = MIMO_V2_FLASH_CONFIG["v_head_dim"]

@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_hos
 from sglang.srt.mem_cache.pool_host.base import HostKVCache  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 
-from portable_kv.sglang_mla import SGLangMLAHostPool  # noqa: E402
+from portable_kv.engines.sglang.mla import SGLangMLAHostPool  # noqa: E402
 
 # The attributes SGLang's controllers, storage backends and anchored pools read of an MLA host pool.
 SGLANG_ATTRIBUTES = ("size", "page_num", "page_size", "layer_num", "target_layer_num", "layout", "dtype", "kv_lora_rank", "qk_rope_head_dim",

@@ -16,8 +16,8 @@ from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler  # noqa: E40
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation, MLATokenToKVPoolHost  # noqa: E402
 
-import portable_kv.sglang as pk_sglang  # noqa: E402
-from portable_kv.sglang_mla import SGLangMLAHostPool  # noqa: E402
+import portable_kv.engines.sglang as pk_sglang  # noqa: E402
+from portable_kv.engines.sglang.mla import SGLangMLAHostPool  # noqa: E402
 
 
 def target_info(dev):

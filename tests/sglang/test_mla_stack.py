@@ -20,7 +20,7 @@ from mlakit import DTYPES, MLA_CASES, device_buffers, load_and_check, raw, wait 
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 
-from portable_kv.sglang_mla import SGLangMLAHostPool  # noqa: E402
+from portable_kv.engines.sglang.mla import SGLangMLAHostPool  # noqa: E402
 
 MTP = pytest.mark.parametrize("mtp", [False, True], ids=["no-mtp", "mtp"])
 BACKUP_TIMEOUT = 60.0

@@ -13,7 +13,7 @@ pytest.importorskip("sglang.srt.managers.cache_controller", reason=SKIP_REASON)
 from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost  # noqa: E402
 
-from portable_kv.sglang import SGLangHostPool  # noqa: E402
+from portable_kv.engines.sglang import SGLangHostPool  # noqa: E402
 
 SYMMETRIC_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 ASYMMETRIC_LAYOUTS = ("page_first", "page_first_direct")  # all SGLang's asymmetric pool has

@@ -11,7 +11,7 @@ from sglangkit import SKIP_REASON
 
 pytest.importorskip("sglang.srt.plugins", reason=SKIP_REASON)
 
-import portable_kv.sglang as pk_sglang  # noqa: E402
+import portable_kv.engines.sglang as pk_sglang  # noqa: E402
 
 # The README's MiMo-V2-Flash command, after `python -m sglang.launch_server`.
 MIMO_V2_FLASH_FLAGS = [

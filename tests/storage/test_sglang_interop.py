@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeS
 
 import portable_kv as pk  # noqa: E402
 from portable_kv import storage  # noqa: E402
-from portable_kv.sglang import SGLangHostPool  # noqa: E402
+from portable_kv.engines.sglang import SGLangHostPool  # noqa: E402
 
 PAGE, LAYERS, HEADS, DEVICE_TOKENS, DTYPE = 4, 3, 2, 64, torch.bfloat16
 MODEL = "org/model"
@@ -120,7 +120,7 @@ def test_sglangs_mooncake_backend_moves_pages_between_its_own_mla_pool_and_the_i
     per page, named without the tensor-parallel rank, at the addresses `get_page_buffer_meta` gives."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-    from portable_kv.sglang_mla import SGLangMLAHostPool
+    from portable_kv.engines.sglang.mla import SGLangMLAHostPool
 
     dev = MLATokenToKVPool(DEVICE_TOKENS, PAGE, DTYPE, 32, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
     args = (dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout)

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-import portable_kv.sglang as pk_sglang
+import portable_kv.engines.sglang as pk_sglang
 
 
 def sglang_installed() -> bool:

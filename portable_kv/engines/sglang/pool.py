@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from . import config
-from .device_pool import MHA, DeviceKVPool, MLADevicePool, PoolKind
-from .io.mover import IO_PATHS
+from ... import config
+from ...device_pool import MHA, DeviceKVPool, MLADevicePool, PoolKind
+from ...io.mover import IO_PATHS
 
 # What SGLang's `--hicache-io-backend` offers for host pools on GPUs.
 SGLANG_IO_CHOICES = ("kernel", "direct")

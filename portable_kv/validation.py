@@ -28,6 +28,8 @@ VALIDATED_KEPT = 4  # a per-layer load's pair, a backup's pair, and spares: an e
 def index_tensor(name: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a 1-D torch.Tensor of int64 or int32, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {value.layout}")
     if value.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name}: expected dtype int64 or int32, got {value.dtype}")
     if value.dim() != 1:
@@ -74,8 +76,23 @@ def _owned_int64(t: torch.Tensor) -> torch.Tensor:
 _DIRECTIONS = {True: object(), False: object()}  # loads, backups
 
 
+def _version(indices: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for a tensor made under torch.inference_mode(),
+    which has none (reading it raises): its CPU-resident values are compared with the
+    snapshot on every reuse, and GPU-resident ones are never reused (`_reusable`)."""
+    return None if indices.is_inference() else indices._version
+
+
 def _stamp(host_indices: torch.Tensor, device_indices: torch.Tensor, device_tokens: int, to_device: bool) -> tuple:
-    return host_indices._version, device_indices._version, device_tokens, to_device
+    return _version(host_indices), _version(device_indices), device_tokens, to_device
+
+
+def _reusable(indices: torch.Tensor) -> bool:
+    """Whether a kept pair may stand for these indices again: an in-place write to an
+    inference tensor on the GPU moves no version counter and has no snapshot to compare
+    (that would be a device round trip per call), so such indices are validated anew each
+    call; `prepare()` validates once and keeps its own copy (docs/API.md)."""
+    return indices.device.type == "cpu" or not indices.is_inference()
 
 
 def _snapshot(given: torch.Tensor, owned: torch.Tensor) -> torch.Tensor | None:
@@ -104,7 +121,7 @@ class IndexValidator:
         tensors = (host_indices, device_indices, _DIRECTIONS[to_device])
         if type(host_indices) is torch.Tensor and type(device_indices) is torch.Tensor:
             kept = self._kept.lookup(tensors, _stamp(host_indices, device_indices, device_tokens, to_device))
-            if kept is not None and kept.unchanged(host_indices, device_indices):
+            if kept is not None and kept.unchanged(host_indices, device_indices) and _reusable(host_indices) and _reusable(device_indices):
                 return kept
         pair = self._validate(host_indices, device_indices, device_tokens, to_device)  # refuses what is not a tensor
         return self._kept.store(tensors, pair, _stamp(host_indices, device_indices, device_tokens, to_device))

@@ -189,3 +189,29 @@ def test_interleaved_index_sets_are_validated_once(pools, monkeypatch):
     assert host._validator.validations == 2  # each of the two sets, once
     backup[0][0] = 70  # changed in place: checked again, and refused
     rejected(dev, host, ValueError, "host_indices.*< 64", lambda: host.backup_from_device_per_layer(dev, *backup, 0))
+
+
+def test_indices_made_under_inference_mode_move_and_are_checked_again(pools, backend):
+    """vLLM's model runner (and SGLang with SGLANG_ENABLE_TORCH_INFERENCE_MODE=1) make index tensors
+    under torch.inference_mode(): they have no version counter, and are still valid indices."""
+    dev, host = pools
+    with torch.inference_mode():
+        h, d = ok_indices()
+        slots = host.alloc(2 * P)
+    host.backup_from_device_all_layer(dev, slots, d.to(dev.device))
+    host.load_to_device_per_layer(dev, h, d, 0)
+    host.load_to_device_per_layer(dev, h, d, 1)
+    backend.synchronize()
+    name = BUFFERS[kind_of(dev)][0]
+    for layer in (0, 1):
+        expected = torch.stack([host_row(host_buffers(host)[0], host.layout, P, t, layer) for t in h.tolist()])
+        assert torch.equal(bits(getattr(dev, name)[layer][d]), bits(expected))
+    with torch.inference_mode():
+        h += 60  # in place, no version counter moves: the snapshot notices
+    rejected(dev, host, ValueError, "host_indices.*< 64", lambda: host.load_to_device_per_layer(dev, h, d, 1))
+
+
+def test_sparse_indices_refused_by_name(pools):
+    dev, host = pools
+    h, d = ok_indices()
+    rejected(dev, host, TypeError, "host_indices.*dense", lambda: host.load_to_device_per_layer(dev, h.to_sparse(), d, 0))

@@ -9,6 +9,7 @@ whichever buffers a pool has, each one strided gather.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -51,9 +52,10 @@ class DeviceKVPool:
         for name, value in (("k_heads", k_heads), ("k_head_dim", k_head_dim), ("v_head_dim", v_head_dim)):
             positive_int(name, value)
         v_heads = k_heads if v_heads is None else positive_int("v_heads", v_heads)
-        device = _check_pool(num_layers, num_tokens, page_size, dtype, device)
-        self.k_buffer = [torch.zeros(num_tokens, k_heads, k_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(num_tokens, v_heads, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        device = _check_pool(num_layers, num_tokens, page_size, dtype, device, k_heads * k_head_dim + v_heads * v_head_dim)
+        with torch.inference_mode(False):  # see _check_pool
+            self.k_buffer = [torch.zeros(num_tokens, k_heads, k_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v_buffer = [torch.zeros(num_tokens, v_heads, v_head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_size = page_size
         _describe(self)
 
@@ -87,8 +89,9 @@ class MLADevicePool:
     ) -> None:
         positive_int("kv_cache_dim", kv_cache_dim)
         self.kv_lora_rank, self.qk_rope_head_dim = latent_split(kv_cache_dim, kv_lora_rank, qk_rope_head_dim)
-        device = _check_pool(num_layers, num_tokens, page_size, dtype, device)
-        self.kv_buffer = [torch.zeros(num_tokens, 1, kv_cache_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        device = _check_pool(num_layers, num_tokens, page_size, dtype, device, kv_cache_dim)
+        with torch.inference_mode(False):  # see _check_pool
+            self.kv_buffer = [torch.zeros(num_tokens, 1, kv_cache_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_size = page_size
         _describe(self)
         self.kv_cache_dim = kv_cache_dim
@@ -117,7 +120,13 @@ def latent_split(kv_cache_dim: int, kv_lora_rank: int | None, qk_rope_head_dim: 
     return int(kv_lora_rank), int(qk_rope_head_dim)
 
 
-def _check_pool(num_layers: int, num_tokens: int, page_size: int, dtype: torch.dtype, device: torch.device | str | None) -> torch.device:
+def _check_pool(num_layers: int, num_tokens: int, page_size: int, dtype: torch.dtype, device: torch.device | str | None,
+                token_elements: int) -> torch.device:
+    """Every argument of a device pool checked, and the device able to hold it, before a buffer is allocated.
+
+    The buffers are then allocated under ``torch.inference_mode(False)``: a pool built
+    inside inference mode still takes pages outside it (storage threads, an engine's
+    own copies), which an inference tensor refuses."""
     for name, value in (("num_layers", num_layers), ("num_tokens", num_tokens), ("page_size", page_size)):
         positive_int(name, value)
     if not isinstance(dtype, torch.dtype):
@@ -126,13 +135,49 @@ def _check_pool(num_layers: int, num_tokens: int, page_size: int, dtype: torch.d
     backends.current().check_dtype(dtype)
     if num_tokens % page_size:
         raise ValueError(f"num_tokens: expected a multiple of page_size={page_size}, got {num_tokens}")
-    return torch.device(device) if device is not None else backends.current().device
+    target = check_device(device) if device is not None else backends.current().device
+    nbytes = num_layers * num_tokens * token_elements * dtype.itemsize
+    capacity, what = device_capacity(target)
+    if capacity is not None and nbytes > capacity:
+        raise ValueError(f"num_tokens: {num_layers} layers of {num_tokens} tokens need {nbytes / 1e9:.3g} GB of {target} memory, "
+                         f"more than {what} ({capacity / 1e9:.3g} GB); lower num_tokens or num_layers")
+    return target
+
+
+def check_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device that exists on this machine; ValueError naming `device` and what there is."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected a torch.device or a device string such as 'cuda:0' or 'cpu', got {device!r}") from None
+    if target.type == "cpu":
+        return target
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    available = ["cpu", *(f"cuda:{i}" for i in range(gpus))]
+    if target.type != "cuda" or gpus == 0 or (target.index is not None and target.index >= gpus):
+        raise ValueError(f"device: {str(target)!r} is not a device of this machine; available: {', '.join(available)}")
+    return target
+
+
+def device_capacity(device: torch.device) -> tuple[int | None, str]:
+    """Bytes a device holds in all, and how that was found; None where it cannot be read."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).total_memory, f"{device} holds in all"
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+        except (ValueError, OSError):
+            return None, ""
+    return None, ""
 
 
 def _wrapped(pool: Any, page_size: int) -> Any:
     pool.page_size = positive_int("page_size", page_size)
     _describe(pool)
     backends.current().check_dtype(pool.dtype)
+    if pool.size % pool.page_size:  # the constructor's rule: tokens are whole pages
+        raise ValueError(f"page_size: expected a divisor of the buffers' {pool.size} tokens (whole pages), got {pool.page_size}")
     return pool
 
 
@@ -156,7 +201,12 @@ class DeviceGeometry:
             for layer, t in enumerate(buffers):
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"device_pool.{side}[{layer}]: expected a torch.Tensor, got {type(t).__name__}")
-                if t.dim() != 3 or t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                if t.dim() != 3:
+                    raise ValueError(f"device_pool.{side}[{layer}]: expected a 3-D (tokens, heads, head_dim) tensor, got {t.dim()}-D "
+                                     f"of shape {tuple(t.shape)}")
+                if t.dtype != first.dtype:
+                    raise TypeError(f"device_pool.{side}[{layer}]: expected dtype {first.dtype} like layer 0, got {t.dtype}")
+                if t.shape != first.shape or t.device != first.device:
                     raise ValueError(
                         f"device_pool.{side}[{layer}]: expected shape {tuple(first.shape)}, dtype {first.dtype} on {first.device} "
                         f"like layer 0, got {tuple(t.shape)}, {t.dtype} on {t.device}"
@@ -166,8 +216,10 @@ class DeviceGeometry:
         if kind is MLA and firsts[0].shape[1] != 1:
             raise ValueError(f"device_pool.kv_buffer: expected (tokens, 1, kv_cache_dim) tensors (MLA keeps one head), got {tuple(firsts[0].shape)}")
         first = firsts[0]
-        if any(t.shape[0] != first.shape[0] or t.dtype != first.dtype or t.device != first.device for t in firsts[1:]):
-            raise ValueError(f"device_pool: {' and '.join(kind.buffers)} must agree in tokens, dtype and device")
+        if any(t.dtype != first.dtype for t in firsts[1:]):
+            raise TypeError(f"device_pool: {' and '.join(kind.buffers)} must agree in dtype, got {', '.join(str(t.dtype) for t in firsts)}")
+        if any(t.shape[0] != first.shape[0] or t.device != first.device for t in firsts[1:]):
+            raise ValueError(f"device_pool: {' and '.join(kind.buffers)} must agree in tokens and device")
         self.kind = kind
         self.layers, self.tokens = len(lists[0]), int(first.shape[0])
         self.shapes = tuple((int(t.shape[1]), int(t.shape[2])) for t in firsts)  # (heads, head_dim) per buffer

@@ -93,7 +93,9 @@ class HostMemory:
         self.registration_tokens = (0,) * len(shapes)
         self.device_addresses_differ = False  # the GPU maps registered memory at another address (kernel io cannot use it)
         self._finalizers: list[weakref.finalize] = []
-        with bind_allocations(numa_node):
+        # Ordinary tensors even when the pool is built under torch.inference_mode(): storage
+        # threads and engines write pages outside it, which an inference tensor refuses.
+        with bind_allocations(numa_node), torch.inference_mode(False):
             if kind == "registered":
                 registered = [self._registered(shape) for shape in shapes]
                 self.buffers: tuple[torch.Tensor, ...] = tuple(buffer for buffer, _ in registered)

@@ -25,12 +25,21 @@ from .layout import host_strides
 PAGE_MAJOR_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 
 
+def _check_has_data(name: str, tensor: torch.Tensor) -> None:
+    """Refuse, naming the argument, a tensor whose elements cannot be read as a dense block."""
+    if tensor.is_meta:
+        raise TypeError(f"{name}: expected a tensor with data on the CPU or a GPU, got one on the meta device (shapes only)")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {tensor.layout}; pass tensor.to_dense()")
+
+
 class PageAccess:
     def _page(self, name: str, index: int | torch.Tensor | np.integer) -> int:
         """The page whose first token is `index`."""
         if isinstance(index, torch.Tensor):
             if index.dim() != 0 or index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
                 raise TypeError(f"{name}: expected an integer token index, got a tensor of shape {tuple(index.shape)} and dtype {index.dtype}")
+            _check_has_data(name, index)
             index = int(index.item())
         if isinstance(index, (bool, np.bool_)) or not isinstance(index, (int, np.integer)):
             raise TypeError(f"{name}: expected an integer token index, got {type(index).__name__}")
@@ -70,11 +79,14 @@ class PageAccess:
         expected = self.flat_page_numel
         if not isinstance(data_page, torch.Tensor):
             raise TypeError(f"data_page: expected a torch.Tensor, got {type(data_page).__name__}")
+        _check_has_data("data_page", data_page)
         if data_page.dtype != self.dtype:
             raise TypeError(f"data_page: expected dtype {self.dtype}, got {data_page.dtype}")
         if data_page.dim() != 1 or data_page.numel() != expected:
             raise ValueError(f"data_page: expected a 1-D tensor of {expected} elements, got shape {tuple(data_page.shape)}")
-        data_page = data_page.cpu()
+        # No autograd history: a page that requires grad must not make the pool part of its
+        # graph (the pool would keep the caller's page alive, and every page read require grad).
+        data_page = data_page.detach().cpu()
         start = 0
         for view in self._page_views(page):
             view.copy_(data_page[start : start + view.numel()].view(view.shape))
@@ -87,6 +99,7 @@ class PageAccess:
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         """Zeros of one flat page's size and dtype: a buffer a storage tier reads a page into."""
+        self._check_open()
         return torch.zeros(self.flat_page_numel, dtype=self.dtype)
 
     # -- zero-copy addresses -------------------------------------------------------------

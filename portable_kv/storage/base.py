@@ -93,13 +93,16 @@ class PageStore(ABC):
         self._stage = None
         if self.staged:
             pages = max(1, min(int(host.page_num), STAGING_BYTES // self.page_bytes))
-            self._stage = torch.empty(pages * self.page_bytes, dtype=torch.uint8)
-            start = 0
-            for view, nbytes in zip(views, self.object_bytes):
-                # (page, layer, token, head, dim): SGLang's flat-page order of a layer_first pool.
-                region = self._stage[start : start + pages * nbytes].view(view.dtype)
-                self._stages.append(region.view(pages, view.shape[2], self.page_size, *view.shape[3:]))
-                start += pages * nbytes
+            # Ordinary tensors and views even for a store made under torch.inference_mode():
+            # its calls write the stage from any thread, outside that mode.
+            with torch.inference_mode(False):
+                self._stage = torch.empty(pages * self.page_bytes, dtype=torch.uint8)
+                start = 0
+                for view, nbytes in zip(views, self.object_bytes):
+                    # (page, layer, token, head, dim): SGLang's flat-page order of a layer_first pool.
+                    region = self._stage[start : start + pages * nbytes].view(view.dtype)
+                    self._stages.append(region.view(pages, view.shape[2], self.page_size, *view.shape[3:]))
+                    start += pages * nbytes
         self.closed = False
 
     @property
@@ -184,6 +187,8 @@ class PageStore(ABC):
         """All token indices of `pages`, as an engine passes them."""
         return torch.from_numpy((pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1))
 
+    # The copies within the pool record no autograd history, whatever the caller's mode.
+    @torch.no_grad()
     def _copy_pages(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         src, dst = torch.tensor(sources), torch.tensor(targets)
         for buffer in self.host.buffers:
@@ -258,12 +263,14 @@ class PageStore(ABC):
             yield PageBatch(first, tuple([stage.data_ptr() + i * nbytes for i in range(run.size)] for stage, nbytes in zip(self._stages, self.object_bytes)),
                             run, True)
 
+    @torch.no_grad()
     def _gather(self, pages: np.ndarray) -> None:
         index = torch.from_numpy(pages)
         for stage, buffer in zip(self._stages, self.host.buffers):
             # canonical (page, token, layer, ...) -> the stage's (page, layer, token, ...)
             stage[: pages.size].copy_(canonical_view(buffer, self.host.layout, self.page_size)[index].transpose(1, 2))
 
+    @torch.no_grad()
     def _scatter(self, pages: np.ndarray, arrived: list[bool]) -> None:
         mask = torch.tensor(arrived, dtype=torch.bool)
         if not mask.any():

@@ -1,7 +1,7 @@
-"""A GPU backend whose 'device' is the CPU and whose kernel is a Python model of
-kernels_common/kv_copy.h: it runs the real argument packing of io/kernel_args.py
+"""A GPU backend whose 'device' is the CPU and whose kernels are Python models of
+kernels_common/kv_copy.h and kv_bulk.h: it runs the real argument packing of io/kernel_args.py
 (struct layout, access width, vector counts, layer tables) through the real
-KernelMover, and executes the copy the kernel would do, vector by vector, on raw
+KernelMover and BulkMover, and executes the copy the kernel would do, vector by vector, on raw
 addresses.  Its copy engines are memmove over the real plans, row by row for 2-D
 copies, each done when its call returns (no streams to order)."""
 
@@ -17,6 +17,8 @@ from portable_kv.backends.cuda import KERNEL_SOURCE
 from portable_kv.backends.gpu import GpuBackend
 from portable_kv.backends.jit import KernelSpec
 from portable_kv.backends.runtime import DeviceRuntime
+from portable_kv.io.bulk import BulkArgs
+from portable_kv.io.bulk_plan import PIECE_FIELDS
 from portable_kv.io.engine import CopyBatch
 from portable_kv.io.kernel_args import KERNEL_WIDTHS, CopyArgs
 from portable_kv.io.mover import Mover
@@ -56,6 +58,28 @@ def run_kernel_model(params: int, width: int) -> None:
         ctypes.memmove(dst, src, width)
 
 
+BULK_ENTRY = 0xB  # the simulated entry point of pkv_bulk
+
+
+def run_bulk_model(params: int) -> None:
+    """What pkv_bulk does: every piece of every stage of every layer, at pkv_bulk_addresses."""
+    args = BulkArgs.from_address(ctypes.c_void_p.from_address(params).value)
+    first = np.ctypeslib.as_array((ctypes.c_int64 * (args.stages + 1)).from_address(args.stage_first))
+    pieces = np.ctypeslib.as_array((ctypes.c_int64 * (int(first[-1]) * PIECE_FIELDS)).from_address(args.pieces)).reshape(-1, PIECE_FIELDS)
+    stage_bytes = np.ctypeslib.as_array((ctypes.c_int64 * args.stages).from_address(args.stage_bytes))
+    for unit in range(args.layers * args.stages):
+        layer, stage = args.layer_begin + unit // args.stages, unit % args.stages
+        stage_pieces = pieces[first[stage]:first[stage + 1]]
+        assert stage_pieces[:, 2].sum() == stage_bytes[stage] and (stage_pieces[:, 2] % 16 == 0).all()
+        assert (stage_pieces[:, 3] + stage_pieces[:, 2]).max() <= args.buffer_bytes, "a stage overflows its buffer"
+        for host_off, dev_off, size, _, job in stage_pieces.tolist():
+            j = args.job[job]
+            host = j.host_base + host_off + layer * j.host_layer
+            dev = ctypes.c_uint64.from_address(j.device_layers + 8 * layer).value + dev_off
+            src, dst = (host, dev) if args.to_device else (dev, host)
+            ctypes.memmove(dst, src, size)
+
+
 class SimulatedRuntime(DeviceRuntime):
     """A runtime with no library: launches run the kernel model, copies are memmove."""
 
@@ -63,9 +87,11 @@ class SimulatedRuntime(DeviceRuntime):
     code_suffix = "cubin"
     kernel_source = KERNEL_SOURCE
     batch_min_version = 0
+    bulk_threads = 32
+    bulk_blocks = 4
 
     def __init__(self) -> None:
-        self.launches: list[tuple[int, int, int]] = []  # (width, grid, block)
+        self.launches: list[tuple[int, int, int]] = []  # (width or BULK_ENTRY, grid, block)
         self.registered: list[tuple[int, int]] = []
         self.copies_2d: list[tuple[int, int, int, int, int, int]] = []  # (dst, dst_pitch, src, src_pitch, width, height)
         super().__init__(_VersionOnly(), 0)
@@ -89,9 +115,19 @@ class SimulatedRuntime(DeviceRuntime):
     def load(self, image: bytes) -> dict[int, int]:
         return {w: w for w in KERNEL_WIDTHS}
 
-    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
+    def function(self, name: str) -> int:
+        assert name == "pkv_bulk"
+        return BULK_ENTRY
+
+    def allow_shared(self, function: int, nbytes: int) -> None:
+        raise AssertionError("the simulated bulk kernel walks its plan with vectors: no shared memory")
+
+    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int, shared_bytes: int = 0) -> None:
         self.launches.append((kernel, grid, block))
-        run_kernel_model(params, kernel)
+        if kernel == BULK_ENTRY:
+            run_bulk_model(params)
+        else:
+            run_kernel_model(params, kernel)
 
     def batch_call(self, batch: CopyBatch, stream: int) -> int:
         for dst, src, size in zip(batch.dst.tolist(), batch.src.tolist(), batch.sizes.tolist()):
@@ -149,6 +185,10 @@ class SimulatedGpuBackend(GpuBackend):
     @classmethod
     def unavailable_reason(cls):
         return None
+
+    @property
+    def offers_bulk(self) -> bool:
+        return True  # the vector walker's model: the real BulkMover, plan and launch arguments
 
     def synchronize(self) -> None:
         pass

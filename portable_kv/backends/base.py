@@ -43,6 +43,15 @@ class Backend(ABC):
     def kernel_mover(self) -> Mover:
         """A new mover of the kernel io path: the backend's copy kernel at its block quota."""
 
+    @property
+    def offers_bulk(self) -> bool:
+        """Whether this backend has the bulk io path (bulk_mover)."""
+        return False
+
+    def bulk_mover(self) -> Mover:
+        """A new mover of the bulk io path: a few blocks, a plan made once per index pair."""
+        raise NotImplementedError(f"backend {self.name!r} has no bulk io path")
+
     @abstractmethod
     def staging_mover(self) -> Mover:
         """A new mover of the copy kernel between a staging slot and the KV buffers (staged io)."""
@@ -54,10 +63,15 @@ class Backend(ABC):
         def staged() -> StagedMover:
             return StagedMover(engine, self.staging_mover(), kernel)
 
-        def auto() -> AutoMover:
-            return AutoMover(kernel, engine.direct_mover, staged())
+        bulk = self.bulk_mover if self.offers_bulk else None
 
-        return {"kernel": kernel, "direct": engine.direct_mover, "staged": staged, "auto": auto}
+        def auto() -> AutoMover:
+            return AutoMover(kernel, engine.direct_mover, staged(), bulk)
+
+        factories: dict[str, MoverFactory] = {"kernel": kernel, "direct": engine.direct_mover, "staged": staged, "auto": auto}
+        if bulk is not None:
+            factories["bulk"] = bulk
+        return factories
 
     @property
     def io_backends(self) -> tuple[str, ...]:

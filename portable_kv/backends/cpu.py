@@ -1,7 +1,7 @@
 """The reference backend: torch indexing on the canonical view; the oracle for every test.
 
 `kernel` io moves data with torch advanced indexing, independent of the planners;
-`direct` and `staged` io execute their plans on the host's copy engine (memmove),
+`direct`, `staged` and `bulk` io execute their plans on the host's copy engine (memmove),
 so the planners run in CI too.  Every path keeps the GPU kernels' guarantee for
 unvalidated indices: a token outside either pool is skipped and flagged, and the
 next call raises.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..io.bulk import PlanWalker
 from ..io.kernel_args import WORD_DTYPES
 from ..io.mover import Mover
 from ..layout import canonical_view
@@ -69,6 +70,13 @@ class CpuBackend(Backend):
 
     def staging_mover(self) -> Mover:
         return IndexingMover()
+
+    @property
+    def offers_bulk(self) -> bool:
+        return True
+
+    def bulk_mover(self) -> Mover:
+        return PlanWalker(self.engine)
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

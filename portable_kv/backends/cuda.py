@@ -29,6 +29,7 @@ AOT_ARCHS = ("sm_80", "sm_90", "sm_100")
 BATCH_MIN_VERSION = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
 BATCH_FAILIDX_UNTIL = 13000  # 12.8/12.9 take a failIdx argument; 13.0 dropped it
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream; 0 is invalid
+MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def bindings() -> tuple[Any, Any]:
@@ -69,9 +70,12 @@ class CudaRuntime(DeviceRuntime):
     code_suffix = "cubin"
     kernel_source = KERNEL_SOURCE
     batch_min_version = BATCH_MIN_VERSION
+    bulk_threads = 32  # one warp drives a block's bulk copies (kernels_cuda/kv_copy.cu)
+    bulk_blocks = 4
 
     def __init__(self, device_index: int = 0, lib: Any = None) -> None:
         super().__init__(lib if lib is not None else runtime_library(), device_index)
+        self.module: Any = None
         self.attrs = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
         self.attrs_index = ctypes.c_size_t(0)
         self._launch_kernel: Any = None  # libcuda's cuLaunchKernel, opened at the first launch
@@ -98,10 +102,17 @@ class CudaRuntime(DeviceRuntime):
         return nvrtc_compile(self.nvrtc, spec.arch, spec.defines)
 
     def load(self, image: bytes) -> dict[int, int]:
-        module = check(self.driver.cuModuleLoadData(image), "cuModuleLoadData")
-        return {w: int(check(self.driver.cuModuleGetFunction(module, f"pkv_copy_{w}".encode()), "cuModuleGetFunction")) for w in KERNEL_WIDTHS}
+        self.module = check(self.driver.cuModuleLoadData(image), "cuModuleLoadData")
+        return {w: self.function(f"pkv_copy_{w}") for w in KERNEL_WIDTHS}
 
-    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
+    def function(self, name: str) -> int:
+        return int(check(self.driver.cuModuleGetFunction(self.module, name.encode()), "cuModuleGetFunction"))
+
+    def allow_shared(self, function: int, nbytes: int) -> None:
+        attribute = self.driver.CUfunction_attribute(MAX_DYNAMIC_SHARED)
+        check(self.driver.cuFuncSetAttribute(self.driver.CUfunction(function), attribute, nbytes), "cuFuncSetAttribute")
+
+    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int, shared_bytes: int = 0) -> None:
         if self._launch_kernel is None:
             # ctypes: a launch from Python costs less so than through cuda-python's wrapper (docs/DESIGN.md).
             call = ctypes.CDLL(find_loaded_library("libcuda") or "libcuda.so.1").cuLaunchKernel
@@ -109,7 +120,7 @@ class CudaRuntime(DeviceRuntime):
             call.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             call.restype = ctypes.c_int
             self._launch_kernel = call
-        code = self._launch_kernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None)
+        code = self._launch_kernel(kernel, grid, 1, 1, block, 1, 1, shared_bytes, stream, params, None)
         if code:
             check((self.driver.CUresult(code),), "cuLaunchKernel")
 

@@ -3,11 +3,13 @@ what CudaBackend and RocmBackend share, given their vendor's DeviceRuntime."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import torch
 
 from .. import config
+from ..io.bulk import BulkMover
 from ..io.kernel import KernelMover
 from ..io.kernel_args import LayerTables
 from ..io.mover import Mover
@@ -24,6 +26,8 @@ class GpuBackend(Backend):
         super().__init__()
         self.block_quota: int = config.block_quota(self.vendor)
         self._kernels: dict[int, int] | None = None
+        self._bulk: int | None = None
+        self._bulk_shared = 0  # dynamic shared memory the bulk kernel was allowed so far
         self._load_lock = threading.Lock()
         # Device addresses of an engine's layers: no host memory, so kept per backend.
         self.layer_tables = LayerTables(self.device)
@@ -38,6 +42,26 @@ class GpuBackend(Backend):
     def kernel_mover(self) -> Mover:
         return KernelMover(self)
 
+    @property
+    def bulk_copies(self) -> bool:
+        """Whether the bulk kernel moves stages with bulk asynchronous copies (sm_90 and later);
+        elsewhere it walks its plan with vector copies (kv_bulk.h)."""
+        found = re.match(r"sm_(\d+)", self.runtime.arch()) if self.vendor == "nvidia" else None
+        return found is not None and int(found.group(1)) >= 90
+
+    @property
+    def offers_bulk(self) -> bool:
+        # NVIDIA before sm_90 has no bulk copies, and a few blocks of vector copies there are the
+        # kernel path at a smaller quota: no bulk path.
+        return self.vendor == "amd" or self.bulk_copies
+
+    @property
+    def bulk_threads(self) -> int:
+        return self.runtime.bulk_threads
+
+    def bulk_mover(self) -> Mover:
+        return BulkMover(self, self.kernel_mover, blocks=self.runtime.bulk_blocks)
+
     def staging_mover(self) -> Mover:
         # Its device-side writes streamed: cached ones slowed the copy engine's next writes
         # into staging (kv_copy.h, `stream_device`).
@@ -51,6 +75,16 @@ class GpuBackend(Backend):
                     self.runtime.bind_thread()
                     self._kernels = self.runtime.load(self.runtime.code_object())
         return self._kernels
+
+    def bulk_kernel(self, shared_bytes: int) -> int:
+        """The bulk kernel's entry point, allowed `shared_bytes` of dynamic shared memory."""
+        if self._bulk is None:
+            self.kernels()
+            self._bulk = self.runtime.function("pkv_bulk")
+        if shared_bytes > self._bulk_shared:
+            self.runtime.allow_shared(self._bulk, shared_bytes)
+            self._bulk_shared = shared_bytes
+        return self._bulk
 
     @property
     def dma_streams(self) -> int:

@@ -17,6 +17,8 @@ from .. import config
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 COMMON_KERNEL_DIR = PACKAGE_DIR / "kernels_common"
 COMMON_HEADER = COMMON_KERNEL_DIR / "kv_copy.h"
+BULK_HEADER = COMMON_KERNEL_DIR / "kv_bulk.h"  # the bulk io path's plan walk, in the same code object
+COMMON_HEADERS = (COMMON_HEADER, BULK_HEADER)
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class KernelSpec:
 
     @classmethod
     def for_source(cls, vendor_source: Path, arch: str, compiler: str, suffix: str, defines: tuple[str, ...] = ()) -> KernelSpec:
-        return cls((vendor_source, COMMON_HEADER), arch, compiler, suffix, defines)
+        return cls((vendor_source, *COMMON_HEADERS), arch, compiler, suffix, defines)
 
     @property
     def source(self) -> Path:

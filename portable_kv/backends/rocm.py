@@ -25,13 +25,14 @@ from ..io.engine import CopyBatch
 from ..io.kernel_args import KERNEL_WIDTHS
 from .base import BackendUnavailable
 from .gpu import GpuBackend
-from .jit import COMMON_HEADER, COMMON_KERNEL_DIR, PACKAGE_DIR, KernelSpec
+from .jit import COMMON_HEADERS, COMMON_KERNEL_DIR, PACKAGE_DIR, KernelSpec
 from .runtime import DeviceRuntime, as_pointer_array, check, find_loaded_library
 
 KERNEL_SOURCE = PACKAGE_DIR / "kernels_hip" / "kv_copy.hip"
 AOT_ARCHS = ("gfx90a", "gfx942", "gfx950")
 BATCH_MIN_VERSION = 70100000  # hipMemcpyBatchAsync appeared in ROCm 7.1 (HIP_VERSION encoding)
 BATCH_MAX_DESCRIPTORS = 8192  # more descriptors in one call fault on some parts
+MAX_DYNAMIC_SHARED = 8  # hipFuncAttributeMaxDynamicSharedMemorySize
 BITCODE_DIRS = ("/opt/rocm/amdgcn/bitcode", "/opt/rocm/lib/llvm/lib/clang/*/lib/amdgcn/bitcode", "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
 BITCODE_LIBS = ("ockl.bc", "oclc_abi_version_500.bc", "oclc_wavefrontsize64_on.bc")
 
@@ -83,9 +84,14 @@ class HipRuntime(DeviceRuntime):
     kernel_source = KERNEL_SOURCE
     batch_min_version = BATCH_MIN_VERSION
     max_batch = BATCH_MAX_DESCRIPTORS
+    # CDNA has no bulk asynchronous copy: the bulk kernel's vector walker, four wavefronts a
+    # workgroup; AMD needs more in flight than NVIDIA to fill the link (docs/DESIGN.md).
+    bulk_threads = 256
+    bulk_blocks = 8
 
     def __init__(self, device_index: int = 0, lib: Any = None) -> None:
         super().__init__(lib if lib is not None else runtime_library(), device_index)
+        self.module: Any = None
         u = ctypes.c_uint
         self.lib.hipModuleLaunchKernel.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.hipModuleLaunchKernel.restype = ctypes.c_int
@@ -112,11 +118,17 @@ class HipRuntime(DeviceRuntime):
         return hiprtc_compile(self.hiprtc, spec.arch, spec.defines)
 
     def load(self, image: bytes) -> dict[int, int]:
-        module = check(self.hip.hipModuleLoadData(image), "hipModuleLoadData")
-        return {w: int(check(self.hip.hipModuleGetFunction(module, f"pkv_copy_{w}".encode()), "hipModuleGetFunction")) for w in KERNEL_WIDTHS}
+        self.module = check(self.hip.hipModuleLoadData(image), "hipModuleLoadData")
+        return {w: self.function(f"pkv_copy_{w}") for w in KERNEL_WIDTHS}
 
-    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
-        code = self.lib.hipModuleLaunchKernel(kernel, grid, 1, 1, block, 1, 1, 0, stream, params, None)
+    def function(self, name: str) -> int:
+        return int(check(self.hip.hipModuleGetFunction(self.module, name.encode()), "hipModuleGetFunction"))
+
+    def allow_shared(self, function: int, nbytes: int) -> None:
+        check(self.hip.hipFuncSetAttribute(function, MAX_DYNAMIC_SHARED, nbytes), "hipFuncSetAttribute")
+
+    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int, shared_bytes: int = 0) -> None:
+        code = self.lib.hipModuleLaunchKernel(kernel, grid, 1, 1, block, 1, 1, shared_bytes, stream, params, None)
         check(code, "hipModuleLaunchKernel", self.error_name)
 
     def batch_call(self, batch: CopyBatch, stream: int) -> int:
@@ -163,9 +175,10 @@ class RocmBackend(GpuBackend):
 
 
 def hiprtc_compile(hiprtc: Any, arch: str, defines: tuple[str, ...] = ()) -> bytes:
-    """hiprtc: the vendor source to a code object for `arch`; the shared header is passed as a program header."""
-    program = check(hiprtc.hiprtcCreateProgram(KERNEL_SOURCE.read_bytes(), KERNEL_SOURCE.name.encode(), 1,
-                                               [COMMON_HEADER.read_bytes()], [COMMON_HEADER.name.encode()]), "hiprtcCreateProgram")
+    """hiprtc: the vendor source to a code object for `arch`; the shared headers are passed as program headers."""
+    program = check(hiprtc.hiprtcCreateProgram(KERNEL_SOURCE.read_bytes(), KERNEL_SOURCE.name.encode(), len(COMMON_HEADERS),
+                                               [h.read_bytes() for h in COMMON_HEADERS], [h.name.encode() for h in COMMON_HEADERS]),
+                    "hiprtcCreateProgram")
     options = [f"--offload-arch={arch}".encode(), b"-O3", b"-std=c++17"] + [f"-D{d}".encode() for d in defines]
     try:
         err, = hiprtc.hiprtcCompileProgram(program, len(options), options)

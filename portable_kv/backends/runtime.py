@@ -67,6 +67,8 @@ class DeviceRuntime(CopyEngine):
     code_suffix: str  # "cubin" | "hsaco"
     kernel_source: Path  # the vendor's kv_copy source
     batch_min_version: int  # first runtime version with <prefix>MemcpyBatchAsync
+    bulk_threads: int  # threads of a bulk-kernel block (kv_bulk.h)
+    bulk_blocks: int  # blocks of a bulk-kernel launch
     max_batch: int | None = None  # descriptors per batched memcpy call
 
     def __init__(self, lib: Any, device_index: int) -> None:
@@ -117,7 +119,16 @@ class DeviceRuntime(CopyEngine):
 
     @abstractmethod
     def load(self, image: bytes) -> dict[int, int]:
-        """Load a code object; return the entry point of each access width."""
+        """Load a code object; return the entry point of each access width (the module is kept
+        for `function`)."""
+
+    @abstractmethod
+    def function(self, name: str) -> int:
+        """Another entry point of the loaded code object, by name (`pkv_bulk`)."""
+
+    @abstractmethod
+    def allow_shared(self, function: int, nbytes: int) -> None:
+        """Let `function` launch with `nbytes` of dynamic shared memory (over 48 KiB must be asked for)."""
 
     def kernel_spec(self) -> KernelSpec:
         """The copy kernel for this device: sources, arch and compiler decide the code object."""
@@ -130,7 +141,7 @@ class DeviceRuntime(CopyEngine):
     # -- per call (ctypes) -----------------------------------------------------------------
 
     @abstractmethod
-    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None:
+    def launch(self, kernel: int, grid: int, block: int, params: int, stream: int, shared_bytes: int = 0) -> None:
         """Launch with `params` the address of the kernel's void* argument array."""
 
     @abstractmethod

@@ -1,10 +1,11 @@
-"""The `auto` io path: a choice per call between kernel, direct and staged."""
+"""The `auto` io path: a choice per call between kernel, bulk, direct and staged."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..transfer import Transfer
+from .bulk_plan import why_not_bulk
 from .direct import run_offsets
 from .mover import Mover, MoverFactory, share_flag
 from .staged import StagedMover
@@ -15,6 +16,9 @@ AUTO_MIN_BYTES = 4 << 20
 # Batched copies this large on average keep the direct path at the link (its descriptors,
 # unlike separate copies, follow one another with no gap); smaller ones cost host time.
 DIRECT_MIN_COPY_BYTES = 512 << 10
+# ... and where the bulk path is offered, direct also needs few copies: the driver's time per
+# descriptor is the caller's time, which the bulk path does not spend (docs/DESIGN.md).
+DIRECT_MAX_COPIES_BESIDE_BULK = 32
 
 
 class AutoMover(Mover):
@@ -25,11 +29,14 @@ class AutoMover(Mover):
        paths plan from their values): `kernel`; a call that small is latency, and the
        kernel path is one launch;
     2. the direct plan's copies (runs consecutive on both sides) average at least
-       DIRECT_MIN_COPY_BYTES: `direct`, the copy engines straight between the pools, no SM
-       and no staging;
-    3. where `rule` says staging carries the transfer and `auto` stages it (on GPUs:
+       DIRECT_MIN_COPY_BYTES (and, where `bulk` is offered, number at most
+       DIRECT_MAX_COPIES_BESIDE_BULK): `direct`, the copy engines straight between the pools,
+       no SM and no staging;
+    3. where the backend offers `bulk` and its plan carries the transfer (16-byte aligned
+       rows): `bulk`, a few blocks beside the model, a launch's host time a call;
+    4. where `rule` says staging carries the transfer and `auto` stages it (on GPUs:
        backups, and loads whose copies go as one batched call a chunk): `staged`;
-    4. otherwise `kernel`: short host runs would cost the copy engines more per copy than
+    5. otherwise `kernel`: short host runs would cost the copy engines more per copy than
        the kernel path loses at any placement.
 
     A load that would stage takes `kernel` while a staged backup of the same pool still
@@ -39,41 +46,51 @@ class AutoMover(Mover):
 
     io = "auto"
 
-    def __init__(self, kernel: MoverFactory, direct: MoverFactory, staged: StagedMover, rule: StagingRule = LINK_RULE) -> None:
+    def __init__(self, kernel: MoverFactory, direct: MoverFactory, staged: StagedMover, bulk: MoverFactory | None = None,
+                 rule: StagingRule = LINK_RULE) -> None:
         super().__init__(staged.device)
         self.movers = {"kernel": kernel(), "direct": direct(), "staged": staged}
+        if bulk is not None:
+            self.movers["bulk"] = bulk()
         self.parts = tuple(self.movers.values())
         share_flag(self.bad_index, *self.parts)
         self.rule = rule
         self._backup_done: Any = None  # an event recorded after this pool's latest staged backup
         self.last_choice = ""  # the path of the latest call, for benchmarks and diagnostics
+        self.last_reason = ""  # ... and why auto took it
 
-    def choice(self, transfer: Transfer) -> str:
-        """The io path this mover takes for `transfer`: "kernel", "direct" or "staged"."""
+    def choice(self, transfer: Transfer) -> tuple[str, str]:
+        """The io path this mover takes for `transfer` ("kernel", "bulk", "direct" or "staged"), and why."""
         key = ("auto", transfer.to_device, len(transfer.layers) == 1)
         stamp = (len(transfer.layers), self.movers["staged"].staging_bytes, self.rule)
         return transfer.indices.known((transfer.pairs,), key, lambda: self._choose(transfer), stamp)
 
-    def _choose(self, transfer: Transfer) -> str:
-        if transfer.bytes < AUTO_MIN_BYTES or not transfer.indices.host_readable:
-            return "kernel"
+    def _choose(self, transfer: Transfer) -> tuple[str, str]:
+        if transfer.bytes < AUTO_MIN_BYTES:
+            return "kernel", f"under {AUTO_MIN_BYTES >> 20} MiB: one launch is the least latency"
+        if not transfer.indices.host_readable:
+            return "kernel", "indices the pool does not read on the host"
         descriptors = nbytes = 0
         for pair in transfer.pairs:
             sizes = run_offsets(transfer.indices, pair, transfer.page_size)[2]
             descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
-        if descriptors and nbytes / descriptors >= DIRECT_MIN_COPY_BYTES:
-            return "direct"
+        bulk = "bulk" in self.movers and why_not_bulk(transfer) is None
+        long_runs = descriptors and nbytes / descriptors >= DIRECT_MIN_COPY_BYTES
+        if long_runs and (not bulk or descriptors <= DIRECT_MAX_COPIES_BESIDE_BULK):
+            return "direct", f"{descriptors} copies of {nbytes // descriptors >> 10} KiB on average: the copy engines, no SM"
+        if bulk:
+            return "bulk", "a few blocks beside the model, one launch a call"
         prepared = self.movers["staged"].prepared(transfer)
         if (prepared is not None and prepared.carried_by(self.rule)
                 and self.rule.auto_stages(transfer.to_device, prepared.batched_by(self.rule))):
-            return "staged"
-        return "kernel"
+            return "staged", "long host runs: copy engines into staging, the kernel in device memory"
+        return "kernel", "short runs: per-copy costs would exceed the kernel path's"
 
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
-        chosen = self.choice(transfer)
+        chosen, self.last_reason = self.choice(transfer)
         if chosen == "staged" and transfer.to_device and self._backup_running():
-            chosen = "kernel"
+            chosen, self.last_reason = "kernel", "a staged backup of this pool still runs"
         self.last_choice = chosen
         self.movers[chosen].move(transfer)
         if chosen == "staged" and not transfer.to_device:

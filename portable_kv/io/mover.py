@@ -9,7 +9,7 @@ import torch
 
 from ..transfer import Transfer
 
-IO_PATHS = ("kernel", "direct", "staged", "auto")
+IO_PATHS = ("kernel", "direct", "staged", "auto", "bulk")
 
 
 class BadIndexFlag:

@@ -1,5 +1,5 @@
 // HIP side of the copy kernels: only what differs from CUDA (kernels_cuda/kv_copy.cu).
-// The algorithm is kernels_common/kv_copy.h; nothing in it assumes a warp of 32,
+// The algorithms are kernels_common/kv_copy.h and kv_bulk.h; nothing in them assumes a warp of 32,
 // so it runs unchanged on 64-lane CDNA wavefronts.
 
 #ifndef __HIPCC_RTC__
@@ -19,3 +19,9 @@ template <typename T>
 __device__ __forceinline__ void pkv_store_stream(T* p, T v) { __builtin_nontemporal_store(v, (PKV_GLOBAL T*)p); }
 
 #include "kv_copy.h"
+#include "kv_bulk.h"
+
+// The bulk kernel: CDNA has no bulk asynchronous copy, so a few workgroups walk the
+// plan with 16-byte non-temporal vector copies (kv_bulk.h).  What this does on an
+// MI300 has not been measured (docs/DESIGN.md).
+extern "C" __global__ void __launch_bounds__(256) pkv_bulk(const PkvBulkArgs args) { pkv_bulk_vectors(args); }

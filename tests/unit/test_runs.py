@@ -313,6 +313,7 @@ def staging_auto_pool() -> tuple:
     idx = page_tokens(torch.arange(32), P)
     host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="auto")
     mover = host._mover("auto")
+    mover.movers.pop("bulk")  # auto's staging rule, as on a backend without the bulk path
     mover.rule = replace(staged.LINK_RULE, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2, batch_row_bytes=1024)
     return dev, idx, host, mover
 
@@ -473,6 +474,8 @@ def test_loads_and_backups_of_the_same_indices_keep_their_plans_side_by_side(cpu
     dev = pk.DeviceKVPool(3, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
     idx = page_tokens(torch.arange(32), P)
     host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend=io)
+    if io == "auto":
+        host._mover("auto").movers.pop("bulk")  # auto's staged plans, as on a backend without the bulk path
     for _ in range(3):
         host.load_to_device_all_layer(dev, idx, idx)
         host.backup_from_device_all_layer(dev, idx, idx)
@@ -519,13 +522,18 @@ def cpu_backend():
     backends.use(before)
 
 
-@pytest.mark.parametrize("layout,host_pages,device_pages,chosen", [
-    ("layer_first", range(0, 32), range(0, 32), "direct"),  # runs on both sides: straight copy engines
-    ("page_first_direct", range(0, 32), range(0, 32), "staged"),  # its pages are apart on the host: direct copies one each
-    ("page_first_direct", range(0, 32), list(range(31, -1, -1)), "staged"),  # a run on the host, scattered on the device
-    ("page_first_direct", list(range(0, 64, 2)), range(0, 32), "kernel"),  # single pages on the host: short copies
+# The last column: where the backend offers the bulk path, which takes every transfer that
+# direct's few long copies do not.
+@pytest.mark.parametrize("layout,host_pages,device_pages,chosen,beside_bulk", [
+    ("layer_first", range(0, 32), range(0, 32), "direct", "direct"),  # runs on both sides: straight copy engines
+    ("page_first_direct", range(0, 32), range(0, 32), "staged", "bulk"),  # its pages are apart on the host: direct copies one each
+    ("page_first_direct", range(0, 32), list(range(31, -1, -1)), "staged", "bulk"),  # a run on the host, scattered on the device
+    ("page_first_direct", list(range(0, 64, 2)), range(0, 32), "kernel", "bulk"),  # single pages on the host: short copies
 ])
-def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, device_pages, chosen):
+@pytest.mark.parametrize("bulk", [False, True])
+def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, device_pages, chosen, beside_bulk, bulk):
+    if bulk:
+        chosen = beside_bulk
     monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
     P = 4
     dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
@@ -534,6 +542,8 @@ def test_auto_picks_by_the_plan(cpu_backend, monkeypatch, layout, host_pages, de
     for t in dev.k_buffer + dev.v_buffer:
         randomize(t, gen)
     mover = host._mover("auto")
+    if not bulk:
+        mover.movers.pop("bulk")
     # The link rule scaled to this pool's 192-byte K rows: 4 pages a copy.
     mover.rule = staged.StagingRule(min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2)
     monkeypatch.setattr(auto, "DIRECT_MIN_COPY_BYTES", mover.rule.min_copy_bytes)
@@ -564,9 +574,26 @@ def test_auto_stages_only_the_transfers_its_rule_allows(cpu_backend, monkeypatch
     for layout, loads in (("page_first_direct", "kernel"), ("layer_first", "staged")):
         host = pk.AsymmetricHostPool(dev, layout=layout, io_backend="auto")
         mover = host._mover("auto")
+        mover.movers.pop("bulk")  # as on a backend without the bulk path
         mover.rule = replace(rule, min_row_bytes=128, min_copy_bytes=4 * P * 2 * 24 * 2, batch_row_bytes=1024)
         host.backup_from_device_all_layer(dev, idx, idx)
         assert mover.last_choice == "staged" and mover.movers["staged"].last_path == "staged"
         host.load_to_device_per_layer(dev, idx, idx, 1)
         assert mover.last_choice == loads, layout
+        host.close()
+
+
+def test_auto_takes_bulk_where_offered_and_its_plan_carries_the_transfer(cpu_backend, monkeypatch):
+    """Beside the model the bulk path costs a few blocks and one launch a call: auto prefers it to
+    staging and to the kernel path, and says why; rows not 16-byte aligned go to the kernel path."""
+    monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 0)
+    P = 4
+    for v_dim, chosen in ((16, "bulk"), (3, "kernel")):
+        dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, v_dim, dtype=torch.bfloat16)
+        idx = page_tokens(torch.randperm(32), P)
+        host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="auto")
+        mover = host._mover("auto")
+        host.backup_from_device_all_layer(dev, page_tokens(torch.arange(32), P), idx)
+        assert mover.last_choice == chosen, v_dim
+        assert ("few blocks" in mover.last_reason) if chosen == "bulk" else ("short runs" in mover.last_reason)
         host.close()

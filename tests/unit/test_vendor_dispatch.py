@@ -33,7 +33,8 @@ def test_rocm_compiles_with_hiprtc_for_the_device_arch_and_caches(fake_rocm, mon
     backend, hip, hiprtc, _ = fake_rocm
     kernels = backend.kernels()
     (name, (src, fname, n, headers, names)), = [c for c in hiprtc.rtc.calls if c[0] == "create"]
-    assert fname == b"kv_copy.hip" and n == 1 and names == [b"kv_copy.h"] and b"PkvCopyArgs" in headers[0]
+    assert fname == b"kv_copy.hip" and n == 2 and names == [b"kv_copy.h", b"kv_bulk.h"]
+    assert b"PkvCopyArgs" in headers[0] and b"PkvBulkArgs" in headers[1]
     (_, (count, options)), = [c for c in hiprtc.rtc.calls if c[0] == "compile"]
     assert b"--offload-arch=gfx942:sramecc+:xnack-" in options and count == len(options)
     assert hip.calls[0] == ("hipModuleLoadData", hiprtc.rtc.code)

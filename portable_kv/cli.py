@@ -10,8 +10,10 @@ answer at once.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import __version__, config
 
@@ -52,10 +54,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"portable-kv {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if config.DEBUG.flag() or not expected(exc):
+        if debugging() or not expected(exc):
             raise
         print(f"portable-kv {args.command}: {one_line(exc)} [PORTABLE_KV_DEBUG=1 shows the traceback]", file=sys.stderr)
         return USAGE_ERROR
+
+
+def debugging() -> bool:
+    """PORTABLE_KV_DEBUG, read where a failure is being reported: a malformed value counts as off
+    (the failure may be that very value)."""
+    try:
+        return config.DEBUG.flag()
+    except config.ConfigError:
+        return False
 
 
 def expected(exc: BaseException) -> bool:
@@ -79,8 +90,12 @@ def one_line(exc: BaseException) -> str:
     return text
 
 
-def cmd_info(_: argparse.Namespace) -> int:
+def cmd_info(args: argparse.Namespace) -> int:
     import shutil
+
+    arguments = dict(setting_argument(text) for text in args.set)
+    # In force for this process, before anything reads them: every row below sees them.
+    os.environ.update(arguments)
 
     import torch
 
@@ -88,6 +103,7 @@ def cmd_info(_: argparse.Namespace) -> int:
 
     rows: list[tuple[str, str]] = [("portable_kv", __version__),
                                    ("torch", f"{torch.__version__} (cuda {torch.version.cuda}, hip {getattr(torch.version, 'hip', None)})")]
+    placed_for = torch.device("cpu")  # the device whose NUMA node a host pool would take
     try:
         bound = backends.current()
     except Exception as exc:
@@ -98,19 +114,62 @@ def cmd_info(_: argparse.Namespace) -> int:
         device = str(bound.device) + (f" ({torch.cuda.get_device_name(bound.device)})" if bound.device.type != "cpu" else "")
         rows += [("bound backend", bound.name), ("vendor", bound.vendor), ("device", device), ("io backends", ", ".join(bound.io_backends))]
         rows += list(bound.describe().items())
-    forced = config.BACKEND.raw()
+        placed_for = bound.device
+    forced = config.BACKEND.given()
     for name in backends.names():
         reason = backends.unavailable_reason(name)
         status = "can run here" if reason is None else f"cannot run here: {reason}"
         rows.append((f"backend {name}", status + (f" (forced by {config.BACKEND.name})" if name == forced else "")))
     for tool in ("nvcc", "hipcc", "clang++-19"):
         rows.append((tool, shutil.which(tool) or "not found"))
+    rows += numa_rows(placed_for)
+    rows.append(("kernel cache", kernel_cache_summary()))
     print_rows(rows)
-    print("\nsettings (environment variables)")
-    current = {s.name: s.raw() for s in config.SETTINGS}
-    print_rows([(name, f"{current.get(name) or '-'}{'' if (current.get(name) or '-') == default else f' (default {default})'}: {meaning}")
-                for name, default, meaning in config.table()])
+    print("\nsettings: value (source: default, env or argument), then what it sets")
+    states = config.states(arguments)
+    print_rows([(state.name, f"{state.value or '-'} ({state.source})" + ("" if state.valid else f" INVALID: {state.problem}") + f"; {meaning}")
+                for state, (_, _, meaning) in zip(states, config.table())])
+    bad = [state.name for state in states if not state.valid]
+    if bad:
+        print(f"\n{len(bad)} setting{'s' if len(bad) > 1 else ''} cannot be used: {', '.join(bad)}. "
+              "`portable-kv check` and portable_kv.sglang.install() refuse to start, and whatever reads one raises ConfigError, "
+              "until each is fixed or unset.")
     return 0
+
+
+def setting_argument(text: str) -> tuple[str, str]:
+    """`NAME=VALUE` of `info --set`, NAME a setting's variable."""
+    name, equals, value = text.partition("=")
+    names = [s.name for s in config.SETTINGS]
+    if not equals or name not in names:
+        raise ValueError(f"--set: expected NAME=VALUE with NAME one of {', '.join(names)}, got {text!r}")
+    return name, value
+
+
+def numa_rows(device: Any) -> list[tuple[str, str]]:
+    """This machine's NUMA nodes, and where a host pool for `device` would be placed and why."""
+    from . import numa
+
+    nodes = numa.numa_nodes()
+    try:
+        where = numa.placement(device).reason
+    except (OSError, RuntimeError) as exc:  # a GPU torch cannot describe: say so, info still answers
+        where = f"unknown: {one_line(exc)}"
+    return [("numa nodes", ", ".join(map(str, nodes)) or "none reported (one node)"), ("numa placement", where)]
+
+
+def kernel_cache_summary() -> str:
+    """The kernel cache directory and what it holds: compiled kernels, and ahead-of-time code objects under prebuilt/."""
+    try:
+        path = config.cache_dir()
+    except config.ConfigError as exc:
+        return f"unknown: {one_line(exc)}"
+    if not path.is_dir():
+        return f"{path} (not created yet: kernels are compiled at first use)"
+    files = [p for p in path.rglob("*") if p.is_file()]
+    prebuilt = sum(1 for p in files if p.relative_to(path).parts[0] == "prebuilt")
+    nbytes = sum(p.stat().st_size for p in files)
+    return f"{path}: {len(files) - prebuilt} compiled kernels, {prebuilt} ahead-of-time code objects in prebuilt/, {nbytes / 1e6:.1f} MB"
 
 
 def print_rows(rows: list[tuple[str, str]]) -> None:
@@ -120,6 +179,9 @@ def print_rows(rows: list[tuple[str, str]]) -> None:
 
 
 def cmd_check(_: argparse.Namespace) -> int:
+    # A malformed setting is one line and exit 2 here, not a FAIL row for every roundtrip that reads it.
+    config.check_all()
+
     from . import backends
     from .check import run_check, storage_check, table
 
@@ -129,11 +191,22 @@ def cmd_check(_: argparse.Namespace) -> int:
     print("\n".join(table(results)))
     failed = sum(not r.passed for r in results)
     print(f"{len(results) - failed} passed, {failed} failed")
-    if backend.device.type == "cpu":
-        what = "the Triton kernel logic ran in its CPU interpreter" if backend.name == "triton" else "the CPU reference backend ran"
-        print(f"No GPU here: {what}; the GPU kernels and DMA paths were not exercised. On a GPU host run `portable-kv check`; "
-              "here, `PORTABLE_KV_BACKEND=triton TRITON_INTERPRET=1 portable-kv check` runs the Triton kernel logic on the CPU.")
+    footer = not_exercised(backend.name, backend.device.type)
+    if footer:
+        print(footer)
     return 1 if failed else 0
+
+
+def not_exercised(backend: str, device_type: str) -> str | None:
+    """`check`'s closing note on a machine without a GPU: what ran, and what to run for more (never the command just run)."""
+    if device_type != "cpu":
+        return None
+    if backend == "triton":
+        return ("No GPU here: the Triton kernel logic ran in its CPU interpreter; the GPU kernels and DMA paths were not exercised. "
+                "On a GPU host run `portable-kv check`.")
+    return ("No GPU here: the CPU reference backend ran; the GPU kernels and DMA paths were not exercised. On a GPU host run "
+            "`portable-kv check`; here, `PORTABLE_KV_BACKEND=triton TRITON_INTERPRET=1 portable-kv check` runs the Triton "
+            "kernel logic on the CPU.")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -172,7 +245,10 @@ def parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=func)
         return cmd
 
-    command("info", cmd_info, "every backend and whether it can run here (and why not), the device, compilers, settings")
+    info = command("info", cmd_info, "every backend and whether it can run here (and why not), the device, compilers, NUMA placement, "
+                                     "the kernel cache, and every setting with its source and whether it can be used")
+    info.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                      help="show everything as if the setting NAME were VALUE (repeatable); marked as from an argument")
     command("check", cmd_check, "split K/V and MLA latent roundtrips for every layout x io backend on the bound backend: PASS/FAIL, exit 1 on a FAIL")
     bench_arguments(command("bench", cmd_bench, "bandwidth of loads and backups against the link's ceiling, beside the engines' own paths"))
     build = command("build", cmd_build, "compile the kernels ahead of time (nvcc, or clang for HIP); the loader prefers these code objects")

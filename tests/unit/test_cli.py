@@ -361,3 +361,49 @@ def test_bench_rows_carry_the_sm_clock_where_it_can_be_read(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "clock_rate", unreadable)
     assert clock._sm_clock() is None and not clock._clock_readable  # noqa: SLF001 -- tried once, then left alone
+
+
+def test_check_with_a_malformed_setting_is_one_line_not_a_fail_per_row():
+    run = cli("check", PORTABLE_KV_HOST_RESERVE="-5")
+    assert_one_line_failure(run, "PORTABLE_KV_HOST_RESERVE: expected an integer >= 0, got -5", "fix or unset the variable")
+    assert "FAIL" not in run.stdout and run.stdout == ""
+
+
+def test_info_marks_a_malformed_setting_and_says_where_each_comes_from():
+    run = cli("info", "--set", "PORTABLE_KV_LOG_LEVEL=info", PORTABLE_KV_BLOCKS="abc", PORTABLE_KV_DMA_STREAMS="0")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    rows = {line.split()[0]: line for line in run.stdout.splitlines() if line.startswith("PORTABLE_KV_")}
+    assert "abc (env) INVALID: expected an integer, got 'abc'" in rows["PORTABLE_KV_BLOCKS"]
+    assert "0 (env) INVALID: expected an integer >= 1, got 0" in rows["PORTABLE_KV_DMA_STREAMS"]
+    assert "info (argument);" in rows["PORTABLE_KV_LOG_LEVEL"] and "INVALID" not in rows["PORTABLE_KV_LOG_LEVEL"]
+    assert "4 (default)" not in rows["PORTABLE_KV_DMA_STREAMS"] and "8388608" not in rows["PORTABLE_KV_STAGING_BYTES"]
+    assert "67108864 (default);" in rows["PORTABLE_KV_STAGING_BYTES"]
+    assert "2 settings cannot be used: PORTABLE_KV_BLOCKS, PORTABLE_KV_DMA_STREAMS." in run.stdout
+
+
+def test_info_refuses_a_set_of_an_unknown_variable_in_one_line():
+    assert_one_line_failure(cli("info", "--set", "PORTABLE_KV_FAST=1"), "--set: expected NAME=VALUE with NAME one of PORTABLE_KV_BACKEND")
+
+
+def test_info_shows_numa_placement_and_the_kernel_cache(tmp_path):
+    (tmp_path / "prebuilt").mkdir()
+    (tmp_path / "prebuilt" / "kv_copy-sm_90.cubin").write_bytes(b"\0" * 1000)
+    (tmp_path / "kv_copy-abc.cubin").write_bytes(b"\0" * 2000)
+    run = cli("info", PORTABLE_KV_CACHE=str(tmp_path), PORTABLE_KV_BACKEND="cpu")
+
+    def row(key: str) -> str:
+        return next(line[len(key):].strip() for line in run.stdout.splitlines() if line.startswith(key + " "))
+
+    assert row("numa placement") == "cpu backend: no device" and row("numa nodes")
+    assert row("kernel cache") == f"{tmp_path}: 1 compiled kernels, 1 ahead-of-time code objects in prebuilt/, 0.0 MB"
+    missing = cli("info", PORTABLE_KV_CACHE=str(tmp_path / "none"))
+    assert f"{tmp_path / 'none'} (not created yet: kernels are compiled at first use)" in missing.stdout
+
+
+def test_check_under_the_triton_interpreter_does_not_recommend_itself():
+    from portable_kv.cli import not_exercised
+
+    interpreted = not_exercised("triton", "cpu")
+    assert "Triton kernel logic ran in its CPU interpreter" in interpreted and "TRITON_INTERPRET=1 portable-kv check" not in interpreted
+    assert "TRITON_INTERPRET=1 portable-kv check" in not_exercised("cpu", "cpu")
+    assert not_exercised("cuda", "cuda") is None

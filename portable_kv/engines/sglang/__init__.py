@@ -121,6 +121,7 @@ def install() -> None:
     `mla.mla_unsupported_reason`) still gets SGLang's own class, with a
     log line saying why; so does `--enable-unified-memory`'s shared full/SWA arena.
     """
+    config.check_all()  # a malformed PORTABLE_KV_* setting fails here, not when SGLang builds its first pool
     modules = _sglang_modules()
     from . import mla as sglang_mla
 

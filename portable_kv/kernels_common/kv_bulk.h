@@ -32,12 +32,16 @@ struct PkvBulkArgs {
   long long buffer_bytes, buffers;                       // one stage buffer's bytes; buffers per block (shared memory)
 };
 
-// Where piece `p` of layer `layer` is read and written.
+// Where piece `p` of layer `layer` is read and written.  The job's fields are selected, not
+// indexed: a.job[p.job] would copy the whole parameter struct to local memory.
 __device__ __forceinline__ void pkv_bulk_addresses(const PkvBulkArgs& a, const PkvBulkPiece& p, long long layer,
                                                    const char** src, char** dst) {
-  const PkvBulkJob& j = a.job[p.job];
-  char* host = (char*)j.host_base + p.host + layer * j.host_layer;
-  char* dev = (char*)((const unsigned long long*)j.device_layers)[layer] + p.device;
+  const bool second = p.job != 0;
+  const unsigned long long host_base = second ? a.job[1].host_base : a.job[0].host_base;
+  const unsigned long long device_layers = second ? a.job[1].device_layers : a.job[0].device_layers;
+  const long long host_layer = second ? a.job[1].host_layer : a.job[0].host_layer;
+  char* host = (char*)host_base + p.host + layer * host_layer;
+  char* dev = (char*)((const unsigned long long*)device_layers)[layer] + p.device;
   *src = a.to_device ? host : dev;
   *dst = a.to_device ? dev : host;
 }

@@ -15,7 +15,7 @@ import pytest
 from portable_kv.backends import cuda, rocm
 from portable_kv.backends.base import BackendUnavailable
 
-NAMES = [f"pkv_copy_{w}" for w in (16, 8, 4, 2, 1)]
+NAMES = [f"pkv_copy_{w}" for w in (16, 8, 4, 2, 1)] + ["pkv_bulk"]
 
 
 def need(condition: bool, reason: str) -> None:
@@ -54,6 +54,9 @@ def test_nvcc_builds_sm90(tmp_path):
     sass = sass_of(cubin, "pkv_copy_16")
     assert re.search(r"LDG\.E\.EF\.128", sass), "the 16-byte path must use 128-bit evict-first loads"
     assert re.search(r"STG\.E\.EF\.128", sass), "the 16-byte path must use 128-bit evict-first host stores"
+    bulk = sass_of(cubin, "pkv_bulk")
+    assert re.search(r"UBLKCP\.S\.G", bulk) and re.search(r"UBLKCP\.G\.S", bulk), "sm_90's bulk kernel moves stages by bulk copies"
+    assert re.search(r"SYNCS", bulk), "each stage waits on its mbarrier"
     tool = cuobjdump()
     everything = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     # The pipelined kernel holds two iterations' addresses in registers; a spill
@@ -84,7 +87,7 @@ def test_hip_builds_gfx942_wave64(tmp_path):
     objdump = shutil.which("llvm-objdump-19") or shutil.which("llvm-objdump")
     need(readelf is not None and objdump is not None, "llvm-readelf / llvm-objdump not found")
     notes = subprocess.run([readelf, "--notes", str(obj)], capture_output=True, text=True, check=True).stdout
-    kernels = re.findall(r"\.name:\s+(pkv_copy_\d+)", notes)
+    kernels = re.findall(r"\.name:\s+(pkv_copy_\d+|pkv_bulk)\n", notes)
     assert sorted(kernels) == sorted(NAMES)
     assert notes.count(".wavefront_size: 64") == len(NAMES), "MI300 kernels must be wave64"
     assert notes.count(".private_segment_fixed_size: 0") == len(NAMES), "a copy kernel uses scratch memory"
@@ -92,6 +95,8 @@ def test_hip_builds_gfx942_wave64(tmp_path):
     asm = subprocess.run([objdump, "-d", str(obj)], capture_output=True, text=True, check=True).stdout
     fast = asm.split("<pkv_copy_16>:")[1].split(">:")[0]
     assert "global_load_dwordx4" in fast and " nt" in fast, "16-byte non-temporal global loads on the fast path"
+    bulk = asm.split("<pkv_bulk>:")[1].split(">:")[0]
+    assert "global_load_dwordx4" in bulk and " nt" in bulk, "the bulk kernel's vector walker: 16-byte non-temporal loads"
 
 
 def test_hip_build_skips_unknown_archs(tmp_path):

@@ -29,6 +29,18 @@ _BUILDER_MODULES = (
     "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler",
 )
+# Where SGLang binds DSAIndexerPoolHost: its DSA strategy's builder and the assembler's
+# draft indexer both read it from this module at each call.
+_DSA_MODULE = "sglang.srt.mem_cache.pool_host.dsa"
+# The host pools SGLang 0.5.23 builds that stay its own whatever the arguments, and why.
+SGLANG_ONLY_POOLS = {
+    "DeepSeekV4PagedHostPool and its compressed/indexer/state side pools (DeepSeek-V4)":
+        "pages of several compression ratios and states in one paged envelope; portable_kv's pools hold one row geometry each",
+    "QSAIndexerPoolHost (QSA sparse-attention index keys)": "compressed index pages with their own page mapping",
+    "MHATokenToKVPoolHostMXFP8 (MXFP8 KV with per-token scales)": "portable_kv moves K and V without scales",
+    "PageUnifiedHostPool and UnifiedPageEnvelopeHostPool (page_unified layout, --enable-unified-memory)":
+        "several pools' pages share one host arena; portable_kv holds one pool per geometry",
+}
 # SGLang's own functions and classes that install() replaced, to give back on uninstall().
 _originals: dict[str, Any] = {}
 # The release of SGLang whose pool assembler, controller and host pools this module drives.
@@ -123,16 +135,21 @@ def install() -> None:
     """
     config.check_all()  # a malformed PORTABLE_KV_* setting fails here, not when SGLang builds its first pool
     modules = _sglang_modules()
+    from . import dsa as sglang_dsa
+    from . import mamba as sglang_mamba
     from . import mla as sglang_mla
 
+    dsa_module = importlib.import_module(_DSA_MODULE)
     if not _originals:
         _originals["builder"] = modules[0].get_mha_host_pool_cls
         _originals["envelope"] = modules[1]._uses_unified_page_envelope_host
         _originals["mla"] = modules[1].MLATokenToKVPoolHost
+        _originals["mamba"] = modules[1].MambaPoolHost
+        _originals["dsa_indexer"] = dsa_module.DSAIndexerPoolHost
     original, envelope = _originals["builder"], _originals["envelope"]
 
     def get_mha_host_pool_cls(buffer_info: Any) -> type:
-        reason = unsupported_reason(buffer_info)
+        reason = unsupported_reason(buffer_info) or _sglang_only_layout()
         if reason:
             logger.info("portable_kv: SGLang's own host pool for this model (%s)", reason)
             return original(buffer_info)
@@ -149,7 +166,21 @@ def install() -> None:
         module.get_mha_host_pool_cls = get_mha_host_pool_cls
     modules[1]._uses_unified_page_envelope_host = uses_unified_page_envelope_host
     modules[1].MLATokenToKVPoolHost = sglang_mla.host_pool_builder(_originals["mla"])
-    logger.info("portable_kv: SGLang's HiCache builds portable_kv host pools for MHA and MLA models")
+    modules[1].MambaPoolHost = sglang_mamba.host_pool_builder(_originals["mamba"])
+    dsa_module.DSAIndexerPoolHost = sglang_dsa.host_pool_builder(_originals["dsa_indexer"])
+    logger.info("portable_kv: SGLang's HiCache builds portable_kv host pools for MHA and MLA models, Mamba states and DSA index keys")
+    for kind, reason in SGLANG_ONLY_POOLS.items():
+        logger.info("portable_kv: SGLang's own %s (%s)", kind, reason)
+
+
+def _sglang_only_layout() -> str | None:
+    """Why the host layout SGLang's assembler passes its MHA pools keeps SGLang's own pool, or None."""
+    from sglang.srt.runtime_context import get_memory
+
+    layout = get_memory().hicache_mem_layout
+    if layout == "page_unified":
+        return "layout: 'page_unified' interleaves K and V in head-group blocks that only SGLang's kernels move"
+    return None
 
 
 def plugin() -> None:
@@ -172,6 +203,8 @@ def uninstall() -> None:
         module.get_mha_host_pool_cls = _originals["builder"]
     modules[1]._uses_unified_page_envelope_host = _originals["envelope"]
     modules[1].MLATokenToKVPoolHost = _originals["mla"]
+    modules[1].MambaPoolHost = _originals["mamba"]
+    importlib.import_module(_DSA_MODULE).DSAIndexerPoolHost = _originals["dsa_indexer"]
     _originals.clear()
 
 

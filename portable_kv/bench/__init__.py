@@ -5,10 +5,14 @@ the peers (what engines do today), and every backend x layout x io backend,
 for a per-layer load and an all-layer backup of the same random pages.
 
 This module holds the flags and the dispatch only, and imports no torch, so
-`portable-kv --help` stays fast: workload.py (what moves), measure.py (timing),
-peers.py (the engines' paths), sections.py (the measurements), run.py (which of
-them a run makes), rows.py and report.py (table, markdown, plot, JSON); store.py
-measures an L3 store instead of the link.
+`portable-kv --help` stays fast.  registry.py is the list of sections (a new section
+is one line there); run.py measures the ceiling and hands the section a Context
+(context.py).  workload.py (what moves), measure.py (timing), draws.py and beside.py
+(rows beside compute, drawn in turn), progress.py, peers.py (the engines' paths) and
+sglang_jit.py (SGLang's own kernels), sections.py (the default section's
+measurements), host_cost.py, staged*.py and engine*.py (their sections), rows.py and
+report.py (table, markdown, plot, JSON); store.py measures an L3 store instead of
+the link.
 """
 
 from __future__ import annotations
@@ -16,15 +20,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
+from .draws import DRAWS
+from .registry import SECTIONS
+
 DTYPE_NAMES = ("bf16", "fp16", "fp8")
-SECTIONS = {
-    "all": "the ceiling, the peers, every backend x layout x io backend, the MLA rows, and on a GPU the setting sweeps, both ways and interference",
-    "host-cost": "host CPU time of one per-layer load per io backend, issued back to back, beside a one-element torch op",
-    "both-ways": "a load and a backup at once, each direction timed over its own span, for bulk copies and the package's paths (GPU)",
-    "staged": "staged and auto io beside kernel, direct and the peers, host pages placed by the allocator after churn and at random; the MLA rows too",
-    "engine": "a cache-hit prefill of MiMo-V2-Flash as SGLang runs it (per-layer loads beside the forward's matmuls) per io path, "
-              "against the forward alone, the loads alone, recomputing and its bound; MiMo's own geometry and the first --page-size",
-}
 STORES = ("local", "mooncake")
 
 
@@ -44,10 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     geometry.add_argument("--mla-layers", type=int, default=61, help="layers of the MLA pools; --quick uses 8 (default: %(default)s)")
     how = p.add_argument_group("how")
     how.add_argument("--section", choices=tuple(SECTIONS), default="all",
-                     help="what to measure: " + "; ".join(f"{k}: {v}" for k, v in SECTIONS.items()) + " (default: %(default)s)")
+                     help="what to measure: " + "; ".join(f"{k}: {v.about}" for k, v in SECTIONS.items()) + " (default: %(default)s)")
     how.add_argument("--backends", type=str, default="",
                      help="comma-separated backends to measure, e.g. cuda,triton (default: every GPU backend that can run here, else cpu)")
     how.add_argument("--reps", type=int, default=0, help="timed calls per measurement, median kept (default: 20; 5 with --quick)")
+    how.add_argument("--draws", type=int, default=DRAWS,
+                     help="draws of each row that runs beside compute, the paths of its table in turn; a row reports the "
+                          "median and the spread (default: %(default)s)")
     how.add_argument("--quick", action="store_true",
                      help="a shorter run: 8 layers, 5 repetitions and a 512 MiB ceiling copy on a GPU; the default section "
                           "also leaves out the peers at page 1")

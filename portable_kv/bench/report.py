@@ -6,21 +6,34 @@ Every renderer takes the rows and the run's metadata only, so a fresh run and
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from .draws import spread_text
+from .registry import SECTIONS
 from .rows import Row, ceiling_text, device_label, on_gpu
 
 # The direction column names the call on the CPU backend, where there is no link.
 CPU_CALLS = {"h2d": "load", "d2h": "backup"}
 
 
-def table(rows: list[Row], meta: dict) -> str:
-    if any(r.section == "engine" for r in rows):
-        from .engine import table as engine_table
+def own_renderer(meta: dict, kind: str) -> Callable[[list[Row], dict], str] | None:
+    """The renderer (`kind`: "table" or "markdown") registry.py names for the run's section, if any."""
+    section = SECTIONS.get(meta.get("args", {}).get("section", "all"))
+    name = getattr(section, kind, "") if section is not None else ""
+    if not name:
+        return None
+    module, function = name.split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
-        return engine_table(rows, meta)
+
+def table(rows: list[Row], meta: dict) -> str:
+    own = own_renderer(meta, "table")
+    if own is not None:
+        return own(rows, meta)
     gpu = on_gpu(meta)
     head = f"{'section':<12} {'what':<46} {'dir' if gpu else 'call':<6} {'page':>4} {'GB/s':>7} "
     head += f"{'%ceil':>6} {'host us':>9} {'blocks':>6}  extra" if gpu else f"{'host us':>9}  extra"
@@ -50,10 +63,9 @@ def table(rows: list[Row], meta: dict) -> str:
 def markdown(rows: list[Row], meta: dict) -> str:
     """The summary tables for a README: page_first_direct paths and peers by page size, the block
     quota sweep, both ways at once, interference; a legend under each."""
-    if any(r.section == "engine" for r in rows):
-        from .engine import markdown as engine_markdown
-
-        return engine_markdown(rows, meta)
+    own = own_renderer(meta, "markdown")
+    if own is not None:
+        return own(rows, meta)
     gpu = on_gpu(meta)
     pages = sorted({r.page_size for r in rows if r.section in ("package", "peer", "mla")}, reverse=True)
 
@@ -114,11 +126,14 @@ def markdown(rows: list[Row], meta: dict) -> str:
     if inter:
         lines += ["", "| during a bf16 matmul loop | load GB/s | matmul slowdown | loads' span under the matmuls | host us a load |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {r.name} | {r.gbps:.1f} | {r.extra.get('matmul_slowdown_pct', 0):+.1f}% | "
-                  + (f"{r.extra['overlap_pct']:.0f}%" if "overlap_pct" in r.extra else "") + (f" | {r.host_us:.0f} |" if r.host_us else " |  |") for r in inter]
+        lines += [f"| {r.name} | {spread_text(r.extra, 'gbps', '.1f', r.gbps)} | {spread_text(r.extra, 'matmul_slowdown_pct', '+.1f')}% | "
+                  + (f"{r.extra['overlap_pct']:.0f}%" if "overlap_pct" in r.extra else "")
+                  + (f" | {spread_text(r.extra, 'host_us', '.0f', r.host_us)} |" if r.host_us else " |  |") for r in inter]
         lines += ["", "Load GB/s: per-layer loads on a side stream while the matmuls run; slowdown: the matmuls' time against "
                   "the same loop alone; span: how much of the loads' time the matmuls covered (a low share says little about interference); "
-                  "host us: the caller's time in a load call (empty: not recorded)."]
+                  "host us: the caller's time in a load call (empty: not recorded)."
+                  + (" Drawn several times, the rows in turn: the median, and in brackets the least and the most of the draws."
+                     if any("draws" in r.extra for r in inter) else "")]
     return "\n".join(lines) + "\n"
 
 

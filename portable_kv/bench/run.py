@@ -1,28 +1,28 @@
-"""Which measurements a run makes, in which order, on which backends, and what it leaves."""
+"""A run: its backends and page sizes, the ceiling, the section registry.py names, what it leaves;
+and the default section (every path) and the both-ways section."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
+import importlib
+from collections.abc import Callable
 
 import torch
 
 from .. import backends
 from ..layout import LAYOUTS
 from ..mla import MLA_LAYOUTS
-from . import engine, report, sections, staged
+from . import report, sections
+from .context import Context
 from .measure import Clock
 from .peers import peers
+from .progress import Progress
+from .registry import SECTIONS
 from .workload import Geometry, Workload
 
 # Bytes of the ceiling's bulk copy: 2 GiB settles PCIe Gen5 within 1%; 512 MiB is within 2%.
 CEILING_BYTES = {"full": 2 << 30, "quick": 512 << 20, "cpu": 64 << 20}
-HOST_COST_PAGES = 4  # small transfers: the GPU never backs up the launch queue
-
-
-def progress(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def chosen_backends(spec: str) -> list[str]:
@@ -57,8 +57,9 @@ def page_sizes(spec: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     geometry = Geometry.from_args(args)
     sizes = page_sizes(args.page_size)
-    if args.layers < 1 or args.reps < 0:
-        raise ValueError(f"--layers: expected >= 1 (got {args.layers}); --reps: expected >= 0 (got {args.reps})")
+    if args.layers < 1 or args.reps < 0 or args.draws < 1:
+        raise ValueError(f"--layers: expected >= 1 (got {args.layers}); --reps: expected >= 0 (got {args.reps}); "
+                         f"--draws: expected >= 1 (got {args.draws})")
     names = chosen_backends(args.backends)
     device = backends.get(names[0]).device
     gpu = device.type != "cpu"
@@ -83,69 +84,88 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace, geometry: Geometry, sizes: list[int], names: list[str], device: torch.device) -> tuple[list, dict]:
+    """The ceiling, then the section's rows (registry.py names the function that measures it)."""
     gpu = device.type != "cpu"
-    layers = 8 if args.quick else args.layers
-    reps = args.reps or (5 if args.quick else 20)
     clock = Clock(device)
+    reps = args.reps or (5 if args.quick else 20)
+    progress = Progress()
     progress(f"ceiling: {'bulk page-locked memcpy' if gpu else 'host memcpy'} on {device}")
     ceil = sections.ceiling(clock, device, CEILING_BYTES["cpu" if not gpu else "quick" if args.quick else "full"], reps)
-    rows = sections.ceiling_rows(ceil)
-    if args.section == "host-cost":
-        return rows + host_cost(clock, geometry, layers, names, device), ceil
-    if args.section == "staged":
-        return rows + staged.measure(clock, geometry, sizes, names, layers, reps, ceil, device, progress, mla_layers(args, geometry)), ceil
-    if args.section == "engine":
-        return rows + engine.measure(clock, sizes, names, reps, args.quick, ceil, device, progress), ceil
-    for page_size in sizes:
-        w = Workload(geometry, page_size, layers, device)
-        progress(f"page {page_size}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
-        if args.section == "both-ways":
-            for name in names:
-                backends.use(name)
-                progress(f"  {name} both ways, each direction timed on its own")
-                rows += sections.both_ways_probe(w, ceil, name)
-            continue
-        if gpu and not (args.quick and page_size == 1):
-            progress("  peers")
-            rows += peers(clock, w, reps, ceil)
-        for name in names:
-            rows += package(args, clock, w, reps, ceil, name, first=name == names[0])
-        del w
-        if gpu:
-            torch.cuda.empty_cache()
-        if geometry.mla_dim:
-            m = Workload(geometry, page_size, mla_layers(args, geometry), device, pool="MLA")
-            progress(f"page {page_size}, MLA latent of {geometry.mla_dim}: {m.pages} pages, {m.layer_bytes / 1e6:.0f} MB per per-layer load")
-            for name in names:
-                rows += mla_rows(args, clock, m, reps, ceil, name)
-            del m
-            if gpu:
-                torch.cuda.empty_cache()
-    return rows, ceil
+    ctx = Context(args, geometry, sizes, names, device, clock, ceil, reps, 8 if args.quick else args.layers,
+                  8 if args.quick else geometry.mla_layers, args.draws, progress)
+    section = resolve(SECTIONS[args.section].measure)
+    return sections.ceiling_rows(ceil) + section(ctx), ceil
 
 
-def mla_layers(args: argparse.Namespace, geometry: Geometry) -> int:
-    return 8 if args.quick else geometry.mla_layers
+def resolve(name: str) -> Callable:
+    """A registered "module:function" of this package."""
+    module, function = name.split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
-def mla_rows(args: argparse.Namespace, clock: Clock, w: Workload, reps: int, ceil: dict, name: str) -> list:
-    """Each MLA layout x io backend of one backend (--quick: page_first_direct, SGLang's layout for MLA pages in L3)."""
-    backend = backends.use(name)
+def both_ways(ctx: Context) -> list:
+    """--section both-ways: per page size and backend, each direction timed over its own span."""
     rows = []
-    for layout in ("page_first_direct",) if args.quick else MLA_LAYOUTS:
-        for io in (io for io in backend.io_backends if io in IO_PATHS):
-            progress(f"  {name} MLA {layout} {io}")
-            with w.host_pool(layout, io) as host:
-                rows += sections.bench_pool(clock, w, host, io, reps, ceil, "mla", f"{name} {layout} {io}")
+    for page_size in ctx.sizes:
+        w = Workload(ctx.geometry, page_size, ctx.layers, ctx.device)
+        ctx.progress(f"page {page_size}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
+        for name in ctx.names:
+            backends.use(name)
+            ctx.progress(f"  {name} both ways, each direction timed on its own")
+            rows += sections.both_ways_probe(w, ctx.ceil, name)
+        del w
+        torch.cuda.empty_cache()
     return rows
 
 
-# The main run's io paths; staged and auto are measured by --section staged.
+def every_path(ctx: Context) -> list:
+    """The default section: per page size the peers, every backend's layouts x io paths and on a GPU
+    its sweeps, both ways and interference; then the MLA rows."""
+    rows = []
+    ctx.progress.expect(len(ctx.sizes) * len(ctx.names) * (2 if ctx.geometry.mla_dim else 1))
+    for page_size in ctx.sizes:
+        w = Workload(ctx.geometry, page_size, ctx.layers, ctx.device)
+        ctx.progress(f"page {page_size}: {w.pages} pages, {w.layer_bytes / 1e6:.0f} MB per per-layer load")
+        if ctx.gpu and not (ctx.quick and page_size == 1):
+            ctx.progress("  peers")
+            rows += peers(ctx.clock, w, ctx.reps, ctx.ceil)
+        for name in ctx.names:
+            rows += package(ctx, w, name, first=name == ctx.names[0])
+            ctx.progress.done(f"page {page_size}, {name}")
+        del w
+        if ctx.gpu:
+            torch.cuda.empty_cache()
+        if ctx.geometry.mla_dim:
+            m = Workload(ctx.geometry, page_size, ctx.mla_layers, ctx.device, pool="MLA")
+            ctx.progress(f"page {page_size}, MLA latent of {ctx.geometry.mla_dim}: {m.pages} pages, {m.layer_bytes / 1e6:.0f} MB per per-layer load")
+            for name in ctx.names:
+                rows += mla_rows(ctx, m, name)
+                ctx.progress.done(f"page {page_size}, MLA, {name}")
+            del m
+            if ctx.gpu:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def mla_rows(ctx: Context, w: Workload, name: str) -> list:
+    """Each MLA layout x io backend of one backend (--quick: page_first_direct, SGLang's layout for MLA pages in L3)."""
+    backend = backends.use(name)
+    rows = []
+    for layout in ("page_first_direct",) if ctx.quick else MLA_LAYOUTS:
+        for io in (io for io in backend.io_backends if io in IO_PATHS):
+            ctx.progress(f"  {name} MLA {layout} {io}")
+            with w.host_pool(layout, io) as host:
+                rows += sections.bench_pool(ctx.clock, w, host, io, ctx.reps, ctx.ceil, "mla", f"{name} {layout} {io}")
+    return rows
+
+
+# The main run's io paths; the others are measured by --section staged.
 IO_PATHS = ("kernel", "direct")
 
 
-def package(args: argparse.Namespace, clock: Clock, w: Workload, reps: int, ceil: dict, name: str, first: bool) -> list:
+def package(ctx: Context, w: Workload, name: str, first: bool) -> list:
     """Every layout x io backend of one backend, and on a GPU the sweeps, both ways and interference."""
+    clock, reps, ceil, progress = ctx.clock, ctx.reps, ctx.ceil, ctx.progress
     backend = backends.use(name)
     rows = []
     for layout in LAYOUTS:
@@ -161,7 +181,6 @@ def package(args: argparse.Namespace, clock: Clock, w: Workload, reps: int, ceil
         progress(f"  {name} registered host memory")
         rows += sections.registered_memory(clock, w, reps, ceil, name)
     if w.page_size == 64:
-        # staged and auto have their own section (--section staged), both ways included.
         for load_io in IO_PATHS:
             for backup_io in IO_PATHS:
                 rows.append(sections.both_directions(clock, w, reps, ceil, name, load_io, backup_io))
@@ -172,16 +191,5 @@ def package(args: argparse.Namespace, clock: Clock, w: Workload, reps: int, ceil
             rows.append(sections.bulk_both(clock, w.pages // 2 * w.page_size * w.token_layer_bytes, reps, ceil))
         if name != "triton":
             progress(f"  {name} interference")
-            rows += sections.interference(clock, w, name)
-    return rows
-
-
-def host_cost(clock: Clock, geometry: Geometry, layers: int, names: list[str], device: torch.device) -> list:
-    small = Geometry(geometry.heads, geometry.k_dim, geometry.v_dim, geometry.dtype, geometry.pages or HOST_COST_PAGES)
-    w = Workload(small, 64, layers, device)
-    rows = []
-    for name in names:
-        backends.use(name)
-        progress(f"  {name} host cost of a per-layer load ({w.pages} pages of 64 tokens)")
-        rows += sections.host_cost(clock, w, name)
+            rows += sections.interference(ctx, w, name)
     return rows

@@ -1,5 +1,5 @@
 """The measurements a run is made of: the ceiling, one pool's load and backup, the
-setting sweeps, both ways at once, interference with compute, and the host cost of a call.
+setting sweeps, both ways at once and interference with compute.
 
 Each returns rows; `run.py` chooses which run, in which order.  GPU streams and
 events come from torch's cuda namespace, which serves ROCm builds too.
@@ -8,7 +8,6 @@ events come from torch's cuda namespace, which serves ROCm builds too.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -16,6 +15,9 @@ import torch
 import portable_kv as pk
 
 from .. import backends
+from .beside import MatmulLoop
+from .context import Context
+from .draws import alternate, summarize
 from .measure import Clock, gbps
 from .rows import Row
 from .workload import Workload
@@ -168,88 +170,35 @@ def bulk_both(clock: Clock, nbytes: int, reps: int, ceil: dict) -> Row:
     return Row("both", f"bulk pinned memcpy both ways, {nbytes / 1e6:.0f} MB each", "both", 0, rate, percent(rate, ceil, "both"))
 
 
-def interference(clock: Clock, w: Workload, name: str) -> list[Row]:
-    """A bf16 matmul loop on one stream while per-layer loads run on another."""
-    n, matmuls = 8192, 40
-    a = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=w.dev.device, dtype=torch.bfloat16)
-    c = torch.empty_like(a)
+def interference(ctx: Context, w: Workload, name: str) -> list[Row]:
+    """A bf16 matmul loop on one stream while per-layer loads run on another, loads all queued
+    first or interleaved, kernel io (at normal and high stream priority) and direct io; every
+    row drawn `ctx.draws` times, the rows in turn (draws.py)."""
+    loop = MatmulLoop(w.dev.device)
+    alone, _ = ctx.clock.time(loop.run, 5)
+    rows = [Row("interference", "bf16 matmul alone", "-", 0, extra={"tflops": loop.tflops(alone)})]
+    cases = {}
+    hosts = {io: w.host_pool("page_first_direct", io) for io in ("kernel", "direct")}
+    try:
+        for io, priority, loads_first in [(io, p, first) for io, p in (("kernel", 0), ("kernel", -1), ("direct", 0)) for first in (True, False)]:
+            # Priority -1: engines put their load streams above compute, so that the
+            # copy kernel's blocks are scheduled as soon as the matmul's retire.
+            order = "loads first" if loads_first else "interleaved"
+            label = f"{name} {io} load during matmul, {order}" + (", high-priority stream" if priority else "")
+            cases[label] = (hosts[io], torch.cuda.Stream(priority=priority), loads_first)
 
-    def matmul_loop() -> None:
-        for _ in range(matmuls):
-            torch.mm(a, b, out=c)
+        def draw(label: str) -> dict[str, float]:
+            host, side, loads_first = cases[label]
+            return loop.draw(ctx.clock, lambda i: host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, i % w.layers),
+                             w.layer_bytes, side, loads_first)
 
-    alone, _ = clock.time(matmul_loop, 5)
-    rows = [Row("interference", "bf16 matmul alone", "-", 0, extra={"tflops": 2 * n**3 * matmuls / alone / 1e12})]
-    for io, priority, order in [(io, p, o) for io, p in (("kernel", 0), ("kernel", -1), ("direct", 0)) for o in ("loads first", "interleaved")]:
-        # Priority -1: engines put their load streams above compute, so that the
-        # copy kernel's blocks are scheduled as soon as the matmul's retire.
-        side = torch.cuda.Stream(priority=priority)
-        with w.host_pool("page_first_direct", io) as host:
-            alone, _ = clock.time(matmul_loop, 3)  # again, just before: boost clocks drift over a run
-            t_start, t_end, m_start, m_end = (torch.cuda.Event(enable_timing=True) for _ in range(4))
-            side.wait_stream(torch.cuda.current_stream())
-            calls = max(4, int(alone / (w.layer_bytes / 50e9)) + 2)
-
-            host_s = [0.0]
-
-            def load(i: int, host=host, side=side, host_s=host_s) -> None:
-                t0 = time.perf_counter()
-                with torch.cuda.stream(side):
-                    host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, i % w.layers)
-                host_s[0] += time.perf_counter() - t0
-
-            t_start.record(side)
-            if order == "loads first":  # every load queued, then the compute
-                for i in range(calls):
-                    load(i)
-                m_start.record()
-                matmul_loop()
-            else:  # as an engine runs layer by layer: a load, a share of the compute, the next load
-                load(0)
-                m_start.record()
-                for i in range(1, calls):
-                    for _ in range(matmuls * i // (calls - 1) - matmuls * (i - 1) // (calls - 1)):
-                        torch.mm(a, b, out=c)
-                    load(i)
-            m_end.record()
-            t_end.record(side)
-            torch.cuda.synchronize()
-        busy = m_start.elapsed_time(m_end) / 1e3
-        moved = t_start.elapsed_time(t_end) / 1e3
-        # How much of the transfers' span the matmuls covered: a rate measured
-        # mostly outside the compute says little about interference.
-        overlap = max(0.0, min(t_start.elapsed_time(m_end) / 1e3, moved) - max(t_start.elapsed_time(m_start) / 1e3, 0.0))
-        label = f"{name} {io} load during matmul, {order}" + (", high-priority stream" if priority else "")
-        # The host's time per load call: the matmuls enqueued after a call wait for it, and a call
-        # that waits on the device (a driver queue full, a synchronising allocation) shows here.
-        rows.append(Row("interference", label, "h2d", w.page_size, gbps(calls * w.layer_bytes, moved), host_us=host_s[0] / calls * 1e6,
-                        extra={"matmul_slowdown_pct": 100 * (busy / alone - 1), "overlap_pct": 100 * overlap / moved,
-                               "matmul_s": busy, "alone_s": alone}))
-    return rows
-
-
-def host_cost(clock: Clock, w: Workload, name: str) -> list[Row]:
-    """Host CPU time of one per-layer load issued back to back (small pages, so the device never
-    backs up the queue), per io backend, beside a one-element torch op as this machine's yardstick."""
-    rows = []
-    for io in backends.current().io_backends:
-        with w.host_pool("page_first_direct", io) as host:
-            # As SGLang's cache controller passes them: host indices moved to the GPU for kernel io.
-            host_idx = w.host_idx.to(w.dev_idx.device) if io == "kernel" else w.host_idx
-            dev_idx = w.dev_idx if io == "kernel" else w.dev_idx.cpu()
-            host_idx, dev_idx = host.prepare_transfer_indices(host_idx, dev_idx, io)
-            for label, call in (("per-layer load", host.load_to_device_per_layer), ("SGLang load_to_device_per_layer_physical", host.load_to_device_per_layer_physical)):
-                def load(call=call, h=host_idx, d=dev_idx, io=io, layer=[0]) -> None:  # noqa: B006 -- the mutable default is the call counter
-                    call(w.dev, h, d, layer[0], io)
-                    layer[0] = (layer[0] + 1) % w.layers
-
-                rows.append(Row("host_cost", f"{name} {label}, {io} io", "h2d", w.page_size, host_us=clock.host_us(load),
-                                extra={"pages": w.pages, "layers": w.layers}))
-    x = torch.zeros(1, device=w.dev.device)
-    rows.append(Row("host_cost", "yardstick: torch x.add_(1), 1 element", "-", host_us=clock.host_us(lambda: x.add_(1))))
-    if clock.gpu:
-        rows.append(Row("host_cost", "yardstick: torch current-stream query", "-", host_us=clock.host_us(torch.cuda.current_stream)))
+        drawn = alternate(list(cases), draw, ctx.draws, ctx.progress, f"{name} interference")
+    finally:
+        for host in hosts.values():
+            host.close()
+    for label, draws in drawn.items():
+        extra = summarize(draws)
+        rows.append(Row("interference", label, "h2d", w.page_size, extra["gbps"], host_us=extra["host_us"], extra=extra))
     return rows
 
 

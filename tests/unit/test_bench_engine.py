@@ -9,15 +9,20 @@ import pytest
 import torch
 
 from portable_kv import backends
-from portable_kv.bench import engine
-from portable_kv.bench.engine import CPU_MODEL, CPU_QUICK, MIMO_V2_FLASH
+from portable_kv.bench import engine_geometry as geometry
+from portable_kv.bench import engine_report as report
+from portable_kv.bench import engine_schedule as schedule
+from portable_kv.bench.engine_forward import Forward
+from portable_kv.bench.engine_geometry import CPU_MODEL, CPU_QUICK, MIMO_V2_FLASH
 from portable_kv.cli import main
+
+CPU_PATHS = backends.get("cpu").io_backends
 
 COLUMNS = ("prefix", "new", "bytes_loaded", "full_bytes", "swa_bytes", "prefill_ms", "compute_ms", "loads_ms", "exposed_ms",
            "recompute_ms", "bound_ms", "prefill_vs_bound", "last_layer_ms", "gflop_full_layer", "gflop_swa_layer", "verified")
 
 
-def prefill_bytes(model: engine.Model, prefix: int, page_size: int) -> tuple[int, int]:
+def prefill_bytes(model: geometry.Model, prefix: int, page_size: int) -> tuple[int, int]:
     """Written out from the geometry: every full layer the whole prefix; every SWA layer the
     pages of the prefix's last `window` tokens."""
     itemsize = {"bf16": 2, "fp32": 4}[model.dtype]
@@ -40,12 +45,12 @@ def test_cpu_run_has_a_row_per_case_and_io_path(cpu_run):
     _, rows, meta = cpu_run
     measured = [r for r in rows if r["section"] == "engine" and "prefill_ms" in r["extra"]]
     assert sorted((r["extra"]["prefix"], r["extra"]["new"], r["extra"]["io"]) for r in measured) == \
-        sorted((p, n, io) for p, n in CPU_QUICK for io in engine.IOS)
+        sorted((p, n, io) for p, n in CPU_QUICK for io in CPU_PATHS)
     for r in measured:
         assert set(COLUMNS) <= set(r["extra"]), set(COLUMNS) - set(r["extra"])
     geometry = next(r for r in rows if r["name"] == "geometry")["extra"]
     assert geometry["full_layers"] == [0, 5] and geometry["window"] == CPU_MODEL.window and geometry["sources"]
-    assert {r["name"] for r in rows if "break_even_tokens" in r["extra"]} == {f"cpu {io} break-even" for io in engine.IOS}
+    assert {r["name"] for r in rows if "break_even_tokens" in r["extra"]} == {f"cpu {io} break-even" for io in CPU_PATHS}
     assert meta["ceiling"]["memcpy"] > 0
     # the auto rows say which path auto took for each pool's loads; the other rows do not
     for r in measured:
@@ -97,10 +102,10 @@ def test_cpu_prefill_schedule():
     the host's K and V into the prefix's device slots of both pools."""
     before = backends.current().name
     backends.use("cpu")
-    pools = engine.Pools(CPU_MODEL, 16, 64, 16, torch.device("cpu"))
-    side = engine.HostSide(pools)
+    pools = schedule.Pools(CPU_MODEL, 16, 64, 16, torch.device("cpu"))
+    side = schedule.HostSide(pools)
     try:
-        run = engine.Engine(pools, side, engine.Forward(CPU_MODEL, torch.device("cpu")), "kernel", gpu=False)
+        run = schedule.Engine(pools, side, Forward(CPU_MODEL, torch.device("cpu")), "kernel", gpu=False)
         events = []
         loads = [(full, j) for full, j in (pools.slot[i] for i in range(CPU_MODEL.layers))]
         run.load = lambda i, load=run.load: (events.append(("load", i)), load(i))
@@ -122,49 +127,49 @@ def test_mimo_geometry_per_gpu():
     assert m.full_layers == (0, 5, 11, 17, 23, 29, 35, 41, 47)
     assert (m.q_heads, m.full_kv_heads, m.swa_kv_heads) == (16, 1, 2)  # 64, 4, 8 heads over attention TP 4
     assert (m.token_layer_bytes(True), m.token_layer_bytes(False)) == (640, 1280)
-    full, swa = engine.expected_bytes(m, 65536, 64)
+    full, swa = geometry.expected_bytes(m, 65536, 64)
     assert (full, swa) == prefill_bytes(m, 65536, 64) == (9 * 65536 * 640, 39 * 128 * 1280)
     # a page of 1 or 64 holds the window exactly; a page of 256 loads the window's whole page
-    assert engine.window_tokens(m, 65536, 1) == 128 and engine.window_tokens(m, 65536, 256) == 256
-    assert engine.window_tokens(m, 64, 64) == 64  # a prefix shorter than the window loads all of it
+    assert geometry.window_tokens(m, 65536, 1) == 128 and geometry.window_tokens(m, 65536, 256) == 256
+    assert geometry.window_tokens(m, 64, 64) == 64  # a prefix shorter than the window loads all of it
 
 
 @pytest.mark.parametrize("prefix,new", [(4096, 512), (65536, 512), (16384, 4096), (0, 16384)])
 def test_layer_plan_flops(prefix, new):
     m = MIMO_V2_FLASH
     for layer in (0, 1, 5):
-        plan = engine.layer_plan(m, layer, prefix, new)
+        plan = geometry.layer_plan(m, layer, prefix, new)
         kv = m.kv_heads(layer)
-        assert engine.plan_flops(plan, ("qkv",)) == 2 * new * 4096 * (16 * 192 + kv * (192 + 128))
-        assert engine.plan_flops(plan, ("o",)) == 2 * new * 16 * 128 * 4096
+        assert geometry.plan_flops(plan, ("qkv",)) == 2 * new * 4096 * (16 * 192 + kv * (192 + 128))
+        assert geometry.plan_flops(plan, ("o",)) == 2 * new * 16 * 128 * 4096
         mlp = 6 * new * 4096 * 2048 + (0 if layer == 0 else 2 * new * 4096 * 256)
-        assert engine.plan_flops(plan, ("router", "gate_up", "down")) == mlp
-        exact = engine.attention_flops(m, layer, prefix, new)
-        assert engine.plan_flops(plan, ("qk", "pv")) == pytest.approx(exact, rel=5e-3)
+        assert geometry.plan_flops(plan, ("router", "gate_up", "down")) == mlp
+        exact = geometry.attention_flops(m, layer, prefix, new)
+        assert geometry.plan_flops(plan, ("qk", "pv")) == pytest.approx(exact, rel=5e-3)
         for op in plan:
             if op.op == "qk":  # every score tile within its bound, every key inside the layer's pool
-                assert op.m * op.n <= engine.SCORE_ELEMENTS
+                assert op.m * op.n <= geometry.SCORE_ELEMENTS
                 assert op.key_start + op.n <= (prefix + new if m.is_full(layer) else m.window)
-    assert engine.attention_flops(m, 1, prefix, new) <= 2 * 16 * 320 * new * 128  # SWA: the window at most
+    assert geometry.attention_flops(m, 1, prefix, new) <= 2 * 16 * 320 * new * 128  # SWA: the window at most
 
 
 def test_recompute_chunks_cover_the_prompt():
-    chunks = engine.recompute_chunks(MIMO_V2_FLASH, 65536 + 512)
+    chunks = geometry.recompute_chunks(MIMO_V2_FLASH, 65536 + 512)
     assert chunks == [(0, 16384), (16384, 16384), (32768, 16384), (49152, 16384), (65536, 512)]
 
 
 def test_bound_formula():
     # compute-bound: the forward, delayed by the first layer's load
-    assert engine.bound(compute_s=10.0, first_load_s=1.0, all_loads_s=5.0, last_compute_s=2.0) == 11.0
+    assert report.bound(compute_s=10.0, first_load_s=1.0, all_loads_s=5.0, last_compute_s=2.0) == 11.0
     # link-bound: every load at the ceiling, then the last layer's compute
-    assert engine.bound(compute_s=1.0, first_load_s=0.5, all_loads_s=5.0, last_compute_s=0.25) == 5.25
+    assert report.bound(compute_s=1.0, first_load_s=0.5, all_loads_s=5.0, last_compute_s=0.25) == 5.25
 
 
 def test_break_even_formula():
     # 1 ms fixed, 0.1 us a token to load, 1 us a token to recompute: 1e-3 / 0.9e-6 tokens
-    assert engine.break_even_tokens(1e-3, 1e-7, 1e-6) == pytest.approx(1111.1, rel=1e-4)
-    assert engine.break_even_tokens(0.0, 1e-7, 1e-6) == 0.0
-    assert engine.break_even_tokens(-1e-4, 1e-7, 1e-6) == 0.0  # a fit's negative intercept is no gain
-    assert engine.break_even_tokens(1e-3, 1e-6, 1e-6) is None  # loading never wins
-    assert engine.fit_line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0]) == pytest.approx((1.0, 2.0))
-    assert engine.fit_line([4.0], [2.0]) == (0.0, 0.5)
+    assert report.break_even_tokens(1e-3, 1e-7, 1e-6) == pytest.approx(1111.1, rel=1e-4)
+    assert report.break_even_tokens(0.0, 1e-7, 1e-6) == 0.0
+    assert report.break_even_tokens(-1e-4, 1e-7, 1e-6) == 0.0  # a fit's negative intercept is no gain
+    assert report.break_even_tokens(1e-3, 1e-6, 1e-6) is None  # loading never wins
+    assert report.fit_line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0]) == pytest.approx((1.0, 2.0))
+    assert report.fit_line([4.0], [2.0]) == (0.0, 0.5)

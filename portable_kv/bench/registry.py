@@ -1,0 +1,36 @@
+"""The benchmark's sections: the one place a section is registered.
+
+A section is a name, a line for `--help`, the function that measures it and, where the
+default table does not fit its rows, the functions that render them.  Functions are
+named "module:function" within this package and imported only when a run needs them,
+so that `portable-kv --help` imports no torch.  A section's function takes a
+`context.Context` and returns its rows (`rows.Row`); the ceiling's rows come first in
+every run, measured by run.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Section:
+    about: str  # one line for --help
+    measure: str  # "module:function": Context -> list[Row]
+    table: str = ""  # "module:function": (rows, meta) -> str, the terminal table; "" the default
+    markdown: str = ""  # "module:function": (rows, meta) -> str, the --markdown summary; "" the default
+
+
+SECTIONS: dict[str, Section] = {
+    "all": Section("the ceiling, the peers, every backend x layout x io backend, the MLA rows, and on a GPU the setting sweeps, "
+                   "both ways and interference", "run:every_path"),
+    "host-cost": Section("the caller's time in one per-layer load per io backend, small and large, indices on the CPU and on the "
+                         "device, per call and prepared, beside a one-element torch op", "host_cost:measure"),
+    "both-ways": Section("a load and a backup at once, each direction timed over its own span, for bulk copies and the package's "
+                         "paths (GPU)", "run:both_ways"),
+    "staged": Section("every io path beside kernel, direct and the peers (SGLang's JIT kernels where SGLang is installed), host "
+                      "pages placed by the allocator after churn and at random; the MLA rows too", "staged:measure"),
+    "engine": Section("a cache-hit prefill of MiMo-V2-Flash as SGLang runs it (per-layer loads beside the forward's matmuls) per "
+                      "io path, against the forward alone, the loads alone, recomputing and its bound; MiMo's own geometry and "
+                      "the first --page-size", "engine:measure", table="engine_report:table", markdown="engine_report:markdown"),
+}

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from ..transfer import Transfer
-from .bulk_plan import PIECE_LIMIT, BulkPlan, bulk_plan, why_not_bulk
+from .bulk_plan import STAGE_BYTES, BulkPlan, bulk_plan, why_not_bulk
 from .engine import CopyBatch, CopyEngine
 from .kernel_args import MAX_JOBS, LayerTable, LayerTables
 from .mover import Mover, MoverFactory, share_flag
 
 BULK_BLOCKS = 4  # blocks of the bulk kernel: each one warp and its stage buffers
-STAGE_BUFFERS = 4  # stage buffers per block, each 2 * PIECE_LIMIT bytes: 128 KiB of a block's shared memory
+STAGE_BUFFERS = 6  # stage buffers per block, each STAGE_BYTES: 192 KiB of a block's shared memory in flight
 LAUNCHES_KEPT = 8  # per thread: a load and a backup interleaved, per-layer and all-layer, and spares
 
 
@@ -121,9 +121,9 @@ class BulkMover(Mover):
     io = "bulk"
 
     def __init__(self, backend: BulkLauncher, fallback: MoverFactory, blocks: int = BULK_BLOCKS,
-                 buffers: int = STAGE_BUFFERS, piece_limit: int = PIECE_LIMIT) -> None:
+                 buffers: int = STAGE_BUFFERS, stage_bytes: int = STAGE_BYTES) -> None:
         super().__init__(backend.device)
-        self.backend, self.blocks, self.buffers, self.piece_limit = backend, blocks, buffers, piece_limit
+        self.backend, self.blocks, self.buffers, self.stage_bytes = backend, blocks, buffers, stage_bytes
         self.fallback = fallback()
         self.parts = (self.fallback,)
         share_flag(self.bad_index, *self.parts)
@@ -162,7 +162,7 @@ class BulkMover(Mover):
         if reason is not None:
             self.last_reason = reason
             return None
-        plan = bulk_plan(transfer, self.piece_limit)
+        plan = bulk_plan(transfer, self.stage_bytes)
         if plan.skipped:
             self.bad_index.set()
         if not plan.stages:
@@ -188,14 +188,14 @@ class PlanWalker(Mover):
 
     io = "bulk"
 
-    def __init__(self, engine: CopyEngine, piece_limit: int = PIECE_LIMIT) -> None:
+    def __init__(self, engine: CopyEngine, stage_bytes: int = STAGE_BYTES) -> None:
         super().__init__(engine.device)
-        self.engine, self.piece_limit = engine, piece_limit
+        self.engine, self.stage_bytes = engine, stage_bytes
         self.last_path, self.last_reason = "bulk", ""
 
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
-        plan = bulk_plan(transfer, self.piece_limit)
+        plan = bulk_plan(transfer, self.stage_bytes)
         if plan.skipped:
             self.bad_index.set()
         host, device, size, _, job = plan.pieces.T

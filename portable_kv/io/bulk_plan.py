@@ -1,18 +1,16 @@
-"""The `bulk` io path's plan: a transfer's copies cut into pieces and packed into stages.
+"""The `bulk` io path's plan: a transfer's copies laid end to end and cut into stages.
 
 The direct path's copies of one layer (runs consecutive on both sides, merged:
-direct.layer_copies) are cut into pieces of at most `piece_limit` bytes, and the
-pieces into stages of one shared-memory buffer each.  A kernel block moves a
-stage with one barrier: every piece of it is fetched into the buffer at once
-(bulk copies on sm_90), then stored out.  The plan does not depend on the
-layer, so one plan serves every per-layer call of an engine's load, and the
-kernel adds the layer's terms (kv_bulk.h).  Everything is vectorised: a plan
-of a 1,356-page load is built in milliseconds, once per index pair.
-
-Stages are packed by where each piece ends: piece k goes to stage
-floor((end_k - 1) / piece_limit), so a stage holds less than two limits of
-bytes and its buffer is `2 * piece_limit` bytes.  A greedy packing would fill
-buffers better, but is a loop over pieces on the host.
+direct.layer_copies), K's then V's, are laid end to end in one stream of bytes,
+and the stream is cut into stages of `stage_bytes`, each one shared-memory buffer
+full: a copy that crosses a stage boundary becomes two pieces.  A kernel block
+moves a stage with one barrier: every piece of it is fetched into the buffer at
+once (bulk copies on sm_90), then stored out.  Every stage but the last is full,
+so a block's buffers hold as many bytes in flight as they can.  The plan does
+not depend on the layer, so one plan serves every per-layer call of an engine's
+load, and the kernel adds the layer's terms (kv_bulk.h).  Everything is
+vectorised: the plan of a 1,356-page load is built in milliseconds, once per
+index pair.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from .direct import layer_copies
 # Bulk copies need 16-byte aligned addresses and sizes (cp.async.bulk); the vector
 # walker that stands in elsewhere moves 16-byte vectors for the same reason.
 BULK_ALIGN = 16
-PIECE_LIMIT = 16 << 10  # bytes of one piece: a stage buffer holds up to two
+STAGE_BYTES = 32 << 10  # one stage, one shared-memory buffer
 # Fields of one piece as the kernel reads it (PkvBulkPiece, kv_bulk.h): host offset,
 # device offset (both before the layer's terms), bytes, offset in the stage's buffer, job.
 PIECE_FIELDS = 5
@@ -39,7 +37,7 @@ class BulkPlan(NamedTuple):
     pieces: np.ndarray  # (n, PIECE_FIELDS) int64, in stage order
     stage_first: np.ndarray  # (stages + 1,) int64: stage s holds pieces [stage_first[s], stage_first[s + 1])
     stage_bytes: np.ndarray  # (stages,) int64: bytes a stage moves, what its barrier waits for
-    buffer_bytes: int  # shared memory of one stage buffer
+    buffer_bytes: int  # shared memory of one stage buffer: the stage size
     skipped: bool  # tokens outside a pool were left out (the caller raises the flag)
 
     @property
@@ -59,44 +57,35 @@ def why_not_bulk(transfer: Transfer) -> str | None:
     return None
 
 
-def bulk_plan(transfer: Transfer, piece_limit: int = PIECE_LIMIT) -> BulkPlan:
+def bulk_plan(transfer: Transfer, stage_bytes: int = STAGE_BYTES) -> BulkPlan:
     """The plan of `transfer`'s pairs (K then V, or the latent), kept with its indices."""
-    key = ("bulk plan", piece_limit, transfer.page_size)
-    return transfer.indices.known((transfer.pairs,), key, lambda: _build(transfer, piece_limit))
+    key = ("bulk plan", stage_bytes, transfer.page_size)
+    return transfer.indices.known((transfer.pairs,), key, lambda: _build(transfer, stage_bytes))
 
 
-def _build(transfer: Transfer, piece_limit: int) -> BulkPlan:
+def _build(transfer: Transfer, stage_bytes: int) -> BulkPlan:
     host_parts, device_parts, size_parts, job_parts = [], [], [], []
     skipped = False
     for job, pair in enumerate(transfer.pairs):
         host_rel, dev_rel, size, left_out = layer_copies(transfer.indices, pair, transfer.page_size)
         skipped |= left_out
-        host, device, size = cut(host_rel, dev_rel, size, piece_limit)
-        host_parts.append(host)
-        device_parts.append(device)
+        host_parts.append(host_rel)
+        device_parts.append(dev_rel)
         size_parts.append(size)
         job_parts.append(np.full(size.size, job, np.int64))
-    size = np.concatenate(size_parts)
-    end = np.cumsum(size)
-    start = end - size
-    stage_of = (end - 1) // piece_limit
-    # Compact stage numbers (a piece over one limit leaves a number unused), then each
-    # piece's place in its stage's buffer: its start less the stage's first start.
-    firsts = np.flatnonzero(np.concatenate(([True], stage_of[1:] != stage_of[:-1]))) if size.size else np.zeros(0, np.int64)
-    stage_first = np.append(firsts, size.size).astype(np.int64)
-    stage_index = np.repeat(np.arange(firsts.size), np.diff(stage_first))
-    smem = start - start[firsts][stage_index] if size.size else start
-    pieces = np.stack([np.concatenate(host_parts), np.concatenate(device_parts), size, smem, np.concatenate(job_parts)], axis=1)
-    stage_bytes = np.add.reduceat(size, firsts) if size.size else np.zeros(0, np.int64)
-    return BulkPlan(np.ascontiguousarray(pieces, dtype=np.int64), stage_first, stage_bytes.astype(np.int64), 2 * piece_limit, skipped)
-
-
-def cut(host: np.ndarray, device: np.ndarray, size: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Copies cut into pieces of at most `limit` bytes (the last piece of a copy holds the rest)."""
-    counts = -(-size // limit)
-    if size.size == 0 or counts.max() <= 1:
-        return host, device, size
-    copy = np.repeat(np.arange(size.size), counts)
-    within = np.arange(copy.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    offset = within * limit
-    return host[copy] + offset, device[copy] + offset, np.minimum(size[copy] - offset, limit)
+    host, device, size = np.concatenate(host_parts), np.concatenate(device_parts), np.concatenate(size_parts)
+    job = np.concatenate(job_parts)
+    start = np.cumsum(size) - size  # each copy's place in the stream of bytes
+    first_stage, last_stage = start // stage_bytes, (start + size - 1) // stage_bytes
+    counts = last_stage - first_stage + 1
+    copy = np.repeat(np.arange(size.size), counts)  # the copy of each piece
+    stage = first_stage[copy] + (np.arange(copy.size) - np.repeat(np.cumsum(counts) - counts, counts))
+    piece_start = np.maximum(start[copy], stage * stage_bytes)
+    piece_end = np.minimum(start[copy] + size[copy], (stage + 1) * stage_bytes)
+    within = piece_start - start[copy]
+    pieces = np.stack([host[copy] + within, device[copy] + within, piece_end - piece_start, piece_start - stage * stage_bytes, job[copy]], axis=1)
+    stages = int(stage[-1]) + 1 if stage.size else 0
+    stage_first = np.searchsorted(stage, np.arange(stages + 1)).astype(np.int64)
+    total = int(size.sum())
+    filled = np.minimum(stage_bytes, total - np.arange(stages, dtype=np.int64) * stage_bytes)
+    return BulkPlan(np.ascontiguousarray(pieces, dtype=np.int64), stage_first, filled, stage_bytes, skipped)

@@ -353,3 +353,113 @@ def test_standin_kernels_refuse_and_name_themselves():
     finally:
         for name in [n for n in sys.modules if n == spec.name or n.startswith(spec.name + ".")]:
             del sys.modules[name]
+
+
+# -- Mamba state and DSA indexer pools on CUDA tensors -------------------------------------------
+
+STATE_IO = [(path, io, layout) for io, layout in (("direct", "page_first_direct"), ("kernel", "page_first")) for path in (io, "staged", "auto")]
+
+
+def _random_bytes(buffer: torch.Tensor, generator: torch.Generator) -> None:
+    view = buffer.view(torch.uint8)
+    view.copy_(torch.randint(0, 256, view.shape, generator=generator, dtype=torch.uint8, device="cpu").to(view.device))
+
+
+@needs_gpu_sglang
+@pytest.mark.parametrize(("path", "io", "layout"), STATE_IO, ids=[f"{p}-sglang_{io}-{layout}" for p, io, layout in STATE_IO])
+def test_state_pool_moves_qwen3_next_states_with_a_packed_draft_bit_exactly(kit, gpu, path, io, layout, monkeypatch):
+    """Qwen3-Next's per-rank states (TP 2: float32 temporal 16 x 128 x 128, bf16 conv 4096 x 3) of 3 layers and a packed
+    MTP draft layer: backup of 4 slots, per-layer loads into others on SGLang's load stream, nothing else touched."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+
+    from portable_kv.engines.sglang.mamba import SGLangStateHostPool
+
+    if path != io:
+        monkeypatch.setenv("PORTABLE_KV_SGLANG_IO", path)
+    generator = torch.Generator().manual_seed(4)
+
+    def states(layers: int) -> MambaStateBufferInfo:
+        temporal = torch.empty(layers, 9, 16, 128, 128, dtype=torch.float32, device="cuda")
+        conv = torch.empty(layers, 9, 4096, 3, dtype=torch.bfloat16, device="cuda")
+        for buffer in (temporal, conv):
+            _random_bytes(buffer, generator)
+        return MambaStateBufferInfo(temporal=temporal, conv=(conv,))
+
+    target, draft = states(3), states(1)
+    pool = SGLangStateHostPool(target, 2.0, 0, device_capacity=8, mtp_draft_buffer_infos=(draft,), layout=layout)
+    host, device, to = torch.tensor([3, 9, 11, 2]), torch.tensor([1, 4, 5, 7], device="cuda"), torch.tensor([0, 2, 3, 8], device="cuda")
+    layers = [*target.temporal.unbind(0), *target.conv[0].unbind(0), draft.temporal[0], draft.conv[0][0]]
+    before = [layer.clone() for layer in layers]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        pool.backup_from_device_all_layer(target, host, device, io)
+        for layer in range(3):
+            pool.load_to_device_per_layer(target, host, to, layer, io)
+        pool.load_to_device_per_layer(draft, host, to, 3, io, is_draft=True)
+    stream.synchronize()
+    for index, (old, new) in enumerate(zip(before, layers)):
+        expected = old.clone()
+        expected[to] = old[device]
+        assert _same_bits(new, expected), f"state layer {index}: loaded slots differ, or a slot outside the load changed"
+    flat = pool.get_data_page(9)
+    pool.set_from_flat_data_page(12, flat)
+    assert _same_bits(pool.get_data_page(12), flat)
+    pool.destroy()
+
+
+@needs_gpu_sglang
+@pytest.mark.parametrize(("io", "layout"), [("kernel", "layer_first"), ("kernel", "page_first"), ("direct", "page_first_direct")])
+def test_dsa_indexer_pool_moves_fp8_index_keys_with_a_packed_draft_bit_exactly(kit, gpu, io, layout, monkeypatch):
+    """DeepSeek-V3.2's DSA device pool on the GPU (fp8 latent rows, index keys with scales, one shared-top-k layer),
+    its NextN draft packed: SGLang's DSA group builder makes the latent and indexer pools portable_kv's; backup and
+    per-layer loads of two 64-token pages, bit-exact, nothing else touched."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_host_pool_group, prepare_host_pool_config
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    import portable_kv.engines.sglang as pk_sglang
+    from portable_kv.engines.sglang.dsa import SGLangDSAIndexerHostPool
+
+    page = 64
+    reset_context()
+    publish(ServerArgs(model_path="dummy", page_size=page, hicache_ratio=2.0, hicache_mem_layout=layout, hicache_io_backend=io),
+            role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    generator = torch.Generator().manual_seed(8)
+
+    def dsa_pool(layers: int, skip=None):
+        dev = DSATokenToKVPool(512, page, 32, torch.float8_e4m3fn, 16, layers, "cuda", 128, False, 56, start_layer=0, end_layer=layers,
+                               skip_topk_layers=skip)
+        for buffer in (*dev.kv_buffer, *dev.index_k_with_scale_buffer):
+            if buffer.numel():
+                _random_bytes(buffer, generator)
+        return dev
+
+    dev, draft = dsa_pool(3, [False, True, False]), dsa_pool(1)
+    pk_sglang.install()
+    try:
+        config = prepare_host_pool_config(decls=dev.host_pool_decls(), full_layer_mapping={i: i for i in range(3)}, transfer_layer_id_max=3,
+                                          transfer_page_size=page, packed_draft_device_pools=(draft,))
+        group = build_host_pool_group(config=config)
+    finally:
+        pk_sglang.uninstall()
+        reset_context()
+    indexer = group.get_pool(PoolName.INDEXER)
+    assert type(indexer) is SGLangDSAIndexerHostPool and (indexer.target_layer_num, indexer.layer_num) == (2, 3)
+    host = torch.arange(2 * page, 4 * page)
+    device = torch.cat([torch.arange(5 * page, 6 * page), torch.arange(page)]).cuda()
+    to = torch.arange(7 * page, 9 * page).cuda()
+    buffers = [b for b in (*dev.index_k_with_scale_buffer, *draft.index_k_with_scale_buffer) if b.numel()]
+    before = [b.clone() for b in buffers]
+    indexer.backup_from_device_all_layer(dev, host, device, io)
+    for layer in range(3):
+        indexer.load_to_device_per_layer(dev, host, to, layer, io)
+    indexer.load_to_device_per_layer(draft, host, to, 3, io, is_draft=True)
+    torch.cuda.synchronize()
+    for index, (old, new) in enumerate(zip(before, buffers)):
+        expected = old.clone()
+        expected[[7, 8]] = old[[5, 0]]
+        assert _same_bits(new, expected), f"index layer {index}: loaded rows differ, or a row outside the load changed"
+    group.get_pool(PoolName.KV).destroy()
+    indexer.destroy()

@@ -130,3 +130,23 @@ def test_the_same_cycle_through_sglangs_own_pools(tmp_path):
     with build_stack(tmp_path, "page_first_direct", "direct", installed=False) as stack:
         assert type(stack.state_host) is MambaPoolHost
         run_cycle(stack)
+
+
+def test_install_serves_both_pools_names_what_stays_sglangs_and_uninstall_restores(caplog):
+    import logging
+
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+    from sglang.srt.mem_cache.pool_host import dsa
+
+    import portable_kv.engines.sglang as pk_sglang
+
+    caplog.set_level(logging.INFO, logger="portable_kv")
+    state_class, indexer_class = hybrid_pool_assembler.MambaPoolHost, dsa.DSAIndexerPoolHost
+    pk_sglang.install()
+    try:
+        assert hybrid_pool_assembler.MambaPoolHost.sglang_class is state_class and dsa.DSAIndexerPoolHost.sglang_class is indexer_class
+        own = [r.getMessage() for r in caplog.records if r.getMessage().startswith("portable_kv: SGLang's own ")]
+        assert len(own) == len(pk_sglang.SGLANG_ONLY_POOLS) and any("DeepSeekV4PagedHostPool" in line for line in own)
+    finally:
+        pk_sglang.uninstall()
+    assert hybrid_pool_assembler.MambaPoolHost is state_class and dsa.DSAIndexerPoolHost is indexer_class

@@ -1,7 +1,7 @@
 """portable_kv as SGLang 0.5.23's HiCache host pool (docs/API.md, "The SGLang host-pool surface").
 
 `install()` makes SGLang's pool assembler build portable_kv pools wherever it
-builds an MHA or an MLA host pool: `SGLangHostPool` for MHA models, asymmetric
+builds an MHA, an MLA, a Mamba state (mamba.py) or a DSA indexer (dsa.py) host pool: `SGLangHostPool` for MHA models, asymmetric
 ones (K and V head dims differ) included (a plain pool, the full and SWA pools
 of a hybrid sliding-window stack such as MiMo-V2-Flash), `SGLangMLAHostPool`
 (mla.py) for MLA models (DeepSeek-V3/R1, Kimi-K2), each with MTP draft
@@ -132,6 +132,10 @@ def install() -> None:
     context parallelism, layer-sharded MLA pools:
     `mla.mla_unsupported_reason`) still gets SGLang's own class, with a
     log line saying why; so does `--enable-unified-memory`'s shared full/SWA arena.
+    SGLang's Mamba state pool (`mamba.SGLangStateHostPool`) and DSA indexer pool
+    (`dsa.SGLangDSAIndexerHostPool`) are portable_kv's too, where their reasons
+    (`state_unsupported_reason`, `indexer_unsupported_reason`) name nothing;
+    the pool kinds of `SGLANG_ONLY_POOLS` stay SGLang's, one log line each.
     """
     config.check_all()  # a malformed PORTABLE_KV_* setting fails here, not when SGLang builds its first pool
     modules = _sglang_modules()

@@ -71,7 +71,7 @@ class CudaRuntime(DeviceRuntime):
     kernel_source = KERNEL_SOURCE
     batch_min_version = BATCH_MIN_VERSION
     bulk_threads = 32  # one warp drives a block's bulk copies (kernels_cuda/kv_copy.cu)
-    bulk_blocks = 4
+    bulk_blocks = 4  # io/bulk.py: BULK_BLOCKS, measured
 
     def __init__(self, device_index: int = 0, lib: Any = None) -> None:
         super().__init__(lib if lib is not None else runtime_library(), device_index)

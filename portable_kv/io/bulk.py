@@ -30,8 +30,11 @@ from .engine import CopyBatch, CopyEngine
 from .kernel_args import MAX_JOBS, LayerTable, LayerTables
 from .mover import Mover, MoverFactory, share_flag
 
-BULK_BLOCKS = 4  # blocks of the bulk kernel: each one warp and its stage buffers
-STAGE_BUFFERS = 6  # stage buffers per block, each STAGE_BYTES: 192 KiB of a block's shared memory in flight
+# A block of one warp moved ~12.5 GB/s from host memory with 128 KiB in flight on the H200
+# (32 KiB stages, 4 buffers); 4 such blocks reached 50.6 GB/s, 93% of the link (SM-issued
+# 128-byte reads, bulk copies included, stop near 51.5: docs/DESIGN.md); 2 blocks 35, 8 no more.
+BULK_BLOCKS = 4
+STAGE_BUFFERS = 4  # stage buffers per block, each STAGE_BYTES: 128 KiB of shared memory in flight
 LAUNCHES_KEPT = 8  # per thread: a load and a backup interleaved, per-layer and all-layer, and spares
 
 

@@ -10,13 +10,15 @@ for bit. Clients find each other through the master (metadata_server="P2PHANDSHA
 and move bytes over TCP; a cluster of hosts would name a reachable master and
 local_hostname, and RDMA where it has it.
 
-Needs the mooncake extra (pip install 'portable-kv[mooncake]'; its binaries need
-libibverbs1). Runs on a GPU or, with the cpu backend, on any machine:
+Needs the mooncake extra (pip install 'portable-kv[mooncake]', or from a checkout
+pip install -e ".[mooncake]"; its binaries need libibverbs1); without it the example
+says so in one line and exits 2. Runs on a GPU or, with the cpu backend, on any machine:
 python3 examples/l3_mooncake_share.py
 """
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import sys
 
@@ -25,7 +27,7 @@ import torch
 import portable_kv as pk
 from portable_kv import backends
 from portable_kv.storage import MooncakeStore
-from portable_kv.storage.master import MooncakeMaster
+from portable_kv.storage.master import INSTALL_HINT, MooncakeMaster, master_binary
 from portable_kv.testing import bits, page_tokens, randomize
 
 PAGE = 16
@@ -84,6 +86,10 @@ def reader(master: str, answer, stored) -> None:
 
 
 def main() -> int:
+    if importlib.util.find_spec("mooncake") is None or master_binary() is None:
+        # Checked before any process starts: each would otherwise fail on its own, deep inside Mooncake's setup.
+        print(f"l3_mooncake_share.py needs Mooncake's client and mooncake_master; {INSTALL_HINT}", file=sys.stderr)
+        return 2
     context = multiprocessing.get_context("spawn")
     to_writer, to_reader, stored, done = context.Queue(), context.Queue(), context.Event(), context.Event()
     with MooncakeMaster(host="127.0.0.1") as master:

@@ -27,6 +27,11 @@ READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
 
+# How to get Mooncake's client and master: the package's `mooncake` extra.
+INSTALL_HINT = ("install the mooncake extra: pip install 'portable-kv[mooncake]' (from a checkout: pip install -e \".[mooncake]\"; "
+                "its binaries need libibverbs1)")
+
+
 def master_binary() -> str | None:
     """Path of the `mooncake_master` executable the installed Mooncake wheel ships, or on PATH; None if absent."""
     spec = importlib.util.find_spec("mooncake")
@@ -99,7 +104,7 @@ class MooncakeMaster:
             self.stop()  # killed or exited: reaped, its log closed; start afresh
         binary = master_binary()
         if binary is None:
-            raise FileNotFoundError("mooncake_master: not found; install the mooncake extra (mooncake-transfer-engine*)")
+            raise FileNotFoundError(f"mooncake_master: not found; {INSTALL_HINT}")
         self.port = self.port or free_port(self.host)
         args = [
             binary,

@@ -52,3 +52,21 @@ def test_the_sglang_example_is_documentation_whose_launcher_compiles():
     assert launchers, "sglang_server.md shows no launcher that calls install()"
     for block in launchers:
         compile(block, "sglang_server.md", "exec")  # SGLang itself is not needed to check the syntax
+
+
+def test_the_mooncake_example_without_mooncake_names_the_extra_in_one_line():
+    """Mooncake hidden from the example's process (installed here or not): one line naming the extra, exit 2, no traceback."""
+    hide = ("import runpy, sys; sys.modules['mooncake'] = None; sys.argv = [sys.argv[1]]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", hide, str(EXAMPLES / "l3_mooncake_share.py")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "pip install 'portable-kv[mooncake]'" in lines[0] and 'pip install -e ".[mooncake]"' in lines[0]
+
+
+def test_the_readme_line_that_runs_the_mooncake_example_names_its_extra():
+    readme = (ROOT / "README.md").read_text()
+    sentence = readme[readme.index("`l3_mooncake_share.py`"):].split(";")[0]
+    assert 'pip install -e ".[mooncake]"' in sentence, sentence

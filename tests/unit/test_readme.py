@@ -192,16 +192,96 @@ def host_cost_table(text: str) -> str:
     return "\n".join(lines)
 
 
+def options_tables(page64: dict, staged: dict, engine_md: str) -> str:
+    """docs/OPTIONS.md's tables: each choice's numbers, from the staged section at page 64 (MHA and MLA rows,
+    loads beside the matmul), the staged section over page sizes, and the engine section."""
+    rows = {(r["name"], r["direction"], r["page_size"]): r for r in page64["rows"]}
+    ios = ("kernel", "direct", "staged", "auto")
+
+    def rate(row: dict) -> str:
+        return f"{row['gbps']:.1f} ({row['pct_ceiling']:.0f}%)"
+
+    ceil = page64["meta"]["ceiling"]
+    lines = [f"{page64['meta']['gpu']}, page 64 (`bench_results/staged_page64.json`; ceiling {ceil['h2d']:.1f} H2D, {ceil['d2h']:.1f} D2H GB/s):", "",
+             "| what moves, where the pages lie | kernel | direct | staged | auto |", "|---|---|---|---|---|"]
+    for label, name, direction in (
+            ("MHA, 8 per-layer loads back to back, `page_first_direct` host", "cuda {io}, allocator host pages, 8 layers back to back", "h2d"),
+            ("MHA, 8 per-layer loads back to back, `layer_first` host", "cuda {io}, allocator host pages, layer_first host, 8 layers back to back", "h2d"),
+            ("MHA, one all-layer backup, `page_first_direct` host", "cuda {io}, allocator host pages", "d2h"),
+            ("MLA, 8 per-layer loads back to back, `page_first_direct` host", "cuda {io}, MLA, allocator host pages, 8 layers back to back", "h2d"),
+            ("MLA, one all-layer backup, `page_first_direct` host", "cuda {io}, MLA, allocator host pages", "d2h")):
+        lines.append(f"| {label} | " + " | ".join(rate(rows[name.format(io=io), direction, 64]) for io in ios) + " |")
+    for label, suffix in (("MHA loads beside a bf16 matmul, `layer_first` host, device pages as SGLang's allocator leaves them",
+                           ", engine device pages, layer_first host"),
+                          ("MHA loads beside a bf16 matmul, `page_first_direct` host, device pages at random", "")):
+        got = [rows[f"cuda {io} load during matmul, interleaved, allocator host pages{suffix}", "h2d", 64] for io in ios]
+        lines.append(f"| {label}: GB/s, the matmul's slowdown | " +
+                     " | ".join(f"{r['gbps']:.1f}, {r['extra']['matmul_slowdown_pct']:+.1f}%" for r in got) + " |")
+    by_page = {(r["name"], r["direction"], r["page_size"]): r for r in staged["rows"]}
+    lines += ["", "By page size (`bench_results/staged.json`), MHA, 8 per-layer loads back to back, `page_first_direct` host, device pages at random, GB/s:", "",
+              "| io | page 64 | page 16 | page 1 |", "|---|---|---|---|"]
+    for io in ios:
+        lines.append(f"| {io} | " + " | ".join(
+            rate(by_page[f"cuda {io}, allocator host pages, 8 layers back to back", "h2d", page]) for page in (64, 16, 1)) + " |")
+    lines += ["", "A cache-hit prefill of MiMo-V2-Flash as SGLang runs it (`bench_results/engine.md`), ms: prefill (its ratio to the bound):",
+              "", "| io | prefix 4096 | prefix 65536 |", "|---|---|---|"]
+    prefill = {}
+    for line in engine_md.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| cuda "):
+            prefill.setdefault(cells[0].split()[1], {})[cells[1]] = f"{cells[4]} ({cells[11]}x)"
+    for io in ios:
+        lines.append(f"| {io} | {prefill[io]['4096']} | {prefill[io]['65536']} |")
+    return "\n".join(lines)
+
+
+def host_time_quotes(host_cost: str) -> str:
+    """The kernel path's host time of a per-layer load back to back, as every doc quotes it."""
+    value = re.search(r"^host_cost\s+cuda per-layer load, kernel io\s+h2d\s+\d+\s+-\s+-\s+([\d.]+)", host_cost, re.M)
+    assert value, "host_cost.txt has no cuda kernel-io row"
+    return f"{value.group(1)} us a call back to back (kernel io"
+
+
 def generated_tables() -> dict[str, str]:
     return {"staged": staged_tables(json.loads((RESULTS / "staged.json").read_text())),
-            "host cost": host_cost_table((RESULTS / "host_cost.txt").read_text())}
+            "host cost": host_cost_table((RESULTS / "host_cost.txt").read_text()),
+            "options": options_tables(json.loads((RESULTS / "staged_page64.json").read_text()), json.loads((RESULTS / "staged.json").read_text()),
+                                      (RESULTS / "engine.md").read_text())}
 
 
-@pytest.mark.parametrize("name", ["staged", "host cost"])
-def test_performance_tables_are_generated_from_the_results(name):
+@pytest.mark.parametrize("name, doc", [("staged", "PERFORMANCE.md"), ("host cost", "PERFORMANCE.md"), ("options", "OPTIONS.md")])
+def test_performance_tables_are_generated_from_the_results(name, doc):
     table = generated_tables()[name]
-    assert table in (ROOT / "docs" / "PERFORMANCE.md").read_text(), (
-        f"docs/PERFORMANCE.md's {name} table differs from bench_results; paste `python tests/unit/test_readme.py`'s output")
+    assert table in (ROOT / "docs" / doc).read_text(), (
+        f"docs/{doc}'s {name} table differs from bench_results; paste `python tests/unit/test_readme.py`'s output")
+
+
+def test_the_kernel_paths_host_time_is_quoted_one_way():
+    """README, DESIGN and OPTIONS quote the kernel path's host time back to back from host_cost.txt, and no other figure that way."""
+    quote = host_time_quotes((RESULTS / "host_cost.txt").read_text())
+    for doc in (ROOT / "README.md", ROOT / "docs" / "DESIGN.md", ROOT / "docs" / "OPTIONS.md"):
+        text = doc.read_text()
+        assert quote in text, f"{doc.name} does not quote {quote!r}"
+        others = set(re.findall(r"([\d.]+(?:-[\d.]+)?) us a call back to back \(kernel io", text)) - {quote.split()[0]}
+        assert not others, f"{doc.name} quotes the kernel path's host time as {others} too"
+        assert not re.search(r"8\.5-13 us", text), f"{doc.name} still quotes an earlier host's 8.5-13 us as current"
+
+
+def test_the_readme_one_call_host_time_is_the_bench_runs():
+    """The README's "host us per load" is the one-call figure of bench.md's cuda kernel row; the legend says it is one call."""
+    row = next(line for line in (RESULTS / "bench.md").read_text().splitlines() if line.startswith("| cuda kernel, page_first_direct |"))
+    one_call = row.strip("|").split("|")[-1].strip()
+    readme = (ROOT / "README.md").read_text()
+    assert f"| {one_call} |" in readme and "enqueue one load timed on its own" in readme
+
+
+def test_changelog_has_a_section_for_this_version():
+    from portable_kv import __version__
+
+    releases = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases[0] in ("Unreleased", __version__) and __version__ in releases[:2], releases
+    released = (ROOT / "CHANGELOG.md").read_text().split(f"\n## {__version__}\n")[1].split("\n## ")[0]
+    assert "MLA" in released, "the release that ships MLA pools says so"
 
 
 def test_bench_results_are_few_and_each_is_indexed():

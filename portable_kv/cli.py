@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import __version__, config
@@ -31,7 +31,7 @@ class CommandLine(argparse.ArgumentParser):
 
     commands: dict[str, argparse.ArgumentParser]
 
-    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+    def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
         argv = list(sys.argv[1:] if args is None else args)
         parsed, unknown = self.parse_known_args(argv, namespace)
         command = getattr(parsed, "command", None)
@@ -219,6 +219,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     out = Path(args.out) if args.out else config.cache_dir() / "prebuilt"
+    build: Callable[[Path, tuple[str, ...]], list[Path]]
     if args.vendor == "cuda":
         from .backends.cuda import AOT_ARCHS as archs
         from .backends.cuda import nvcc_build as build

@@ -191,7 +191,7 @@ class DeviceGeometry:
     """What a (possibly duck-typed) device pool of one kind looks like, checked once."""
 
     def __init__(self, pool: Any, kind: PoolKind) -> None:
-        lists = [getattr(pool, name, None) for name in kind.buffers]
+        lists: list[Any] = [getattr(pool, name, None) for name in kind.buffers]
         if not all(isinstance(b, Sequence) and b for b in lists) or len({len(b) for b in lists}) != 1:
             names = " and ".join(kind.buffers)
             raise TypeError(f"device_pool: expected {names}, {'equal-length lists' if len(lists) > 1 else 'a list'} of per-layer tensors"
@@ -239,7 +239,7 @@ _geometry_cache: IdentityCache[DeviceGeometry] = IdentityCache(64)
 
 
 def device_geometry(pool: Any, kind: PoolKind = MHA) -> DeviceGeometry:
-    lists = [getattr(pool, name, None) for name in kind.buffers]
+    lists: list[Any] = [getattr(pool, name, None) for name in kind.buffers]
     if not all(isinstance(b, Sequence) for b in lists):
         return DeviceGeometry(pool, kind)  # raises the error that names what is missing
     return _geometry_cache.get([t for b in lists for t in b], lambda: DeviceGeometry(pool, kind), key=kind.name)

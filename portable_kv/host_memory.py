@@ -131,7 +131,7 @@ class HostMemory:
         # The tensors view a ctypes array that owns the registrations: when the last
         # tensor goes, the array goes, the finalizer unregisters, then the mapping is unmapped.
         view = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
-        view.registrations = registrations
+        view.registrations = registrations  # type: ignore[attr-defined]  # a ctypes array takes attributes; its stubs do not say so
         self._finalizers.append(weakref.finalize(view, registrations.release))
         buffer = torch.frombuffer(view, dtype=torch.uint8).view(self.dtype).view(shape)
         base = buffer.data_ptr()

@@ -24,7 +24,7 @@ def configure() -> logging.Logger:
     and give it a stderr handler once, where the application configured none."""
     global _configured
     logger = logging.getLogger(LOGGER_NAME)
-    logger.setLevel(config.LOG_LEVEL.raw().upper())
+    logger.setLevel((config.LOG_LEVEL.raw() or "WARNING").upper())
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))

@@ -90,8 +90,9 @@ def check_node(numa_node: object, nodes: list[int]) -> int:
 def gpu_pci_address(index: int) -> str | None:
     """The sysfs name (domain:bus:device.function) of GPU `index`, as torch numbers GPUs."""
     properties = torch.cuda.get_device_properties(index)
+    # Read by name: the PCI fields came in a later torch than the one typeshed's stubs describe.
     try:
-        domain, bus, device = properties.pci_domain_id, properties.pci_bus_id, properties.pci_device_id
+        domain, bus, device = (getattr(properties, field) for field in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
     except AttributeError:
         return None
     # A GPU is function 0 of its PCI device; torch does not report the function.

@@ -14,11 +14,12 @@ memory order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .device_pool import positive_int
+from .device_pool import DeviceGeometry, positive_int
 from .layout import host_strides
 
 # Layouts whose page (all layers) is one contiguous block per K and V.
@@ -34,6 +35,21 @@ def _check_has_data(name: str, tensor: torch.Tensor) -> None:
 
 
 class PageAccess:
+    # What the mixin reads of its host pool (pool.py sets them), declared for type checkers.
+    size: int
+    page_size: int
+    page_num: int
+    layer_num: int
+    layout: str
+    dtype: torch.dtype
+    _geometry: DeviceGeometry
+
+    if TYPE_CHECKING:
+        @property
+        def buffers(self) -> tuple[torch.Tensor, ...]: ...
+
+        def _check_open(self) -> None: ...
+
     def _page(self, name: str, index: int | torch.Tensor | np.integer) -> int:
         """The page whose first token is `index`."""
         if isinstance(index, torch.Tensor):

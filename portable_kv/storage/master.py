@@ -19,7 +19,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from . import mooncake_logs
 
@@ -81,7 +81,7 @@ class MooncakeMaster:
         self.lease_ttl_ms = lease_ttl_ms
         self.extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
-        self._log = None
+        self._log: IO[bytes] | None = None
         self._finalizer: weakref.finalize | None = None  # stops the process if the object is dropped or at exit
 
     @property

@@ -87,6 +87,12 @@ class MooncakeStore(PageStore):
     `pp_rank` and `backend_tag` make the key namespace, as in SGLang.
     """
 
+    # Declared here: they are set in __init__ after the client's module is imported there, which type checkers do not follow.
+    master: str
+    _client: Any  # Mooncake's MooncakeDistributedStore, which ships no type information
+    _lock: threading.Lock
+    _stopping: threading.Event
+
     def __init__(
         self,
         host: Any,
@@ -178,7 +184,7 @@ class MooncakeStore(PageStore):
     def _put(self, names: list[str], ptrs: tuple[list[int], ...]) -> list[bool]:
         if self.master_unreachable:
             return [False] * len(names)
-        objects, ptrs, sizes = self._objects(names, ptrs)
+        objects, addresses, sizes = self._objects(names, ptrs)
         # A put to a stored key succeeds without copying (Mooncake), so only the missing objects are sent.
         present = self._client.batch_is_exist(objects)
         if self._unreachable(present):
@@ -187,7 +193,7 @@ class MooncakeStore(PageStore):
         missing = [i for i, code in enumerate(present) if code != 1]
         codes = [0] * len(objects)
         if missing:
-            sent = self._client.batch_put_from([objects[i] for i in missing], [ptrs[i] for i in missing], [sizes[i] for i in missing])
+            sent = self._client.batch_put_from([objects[i] for i in missing], [addresses[i] for i in missing], [sizes[i] for i in missing])
             for i, code in zip(missing, sent):
                 codes[i] = code
             self._unreachable(sent)
@@ -197,8 +203,8 @@ class MooncakeStore(PageStore):
     def _get(self, names: list[str], ptrs: tuple[list[int], ...]) -> list[bool]:
         if self.master_unreachable:
             return [False] * len(names)
-        objects, ptrs, sizes = self._objects(names, ptrs)
-        codes = self._client.batch_get_into(objects, ptrs, sizes)
+        objects, addresses, sizes = self._objects(names, ptrs)
+        codes = self._client.batch_get_into(objects, addresses, sizes)
         self._unreachable(codes)
         self._warn("get", [c for c in codes if c < 0 and c != -704 and c not in UNREACHABLE])
         return [tuple(page) == self.object_bytes for page in self._by_page(codes)]

@@ -11,7 +11,9 @@ tiers in pages.py; the SGLang host-pool surface in sglang_surface.py.
 
 from __future__ import annotations
 
+import logging
 import operator
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -22,10 +24,13 @@ from . import backends
 from .backends.base import Backend
 from .device_pool import MHA, DeviceGeometry, DeviceKVPool, PoolKind, device_geometry, positive_int
 from .host_memory import HOST_MEMORY, HostMemory, check_available, host_tokens
+from .io.context import IoContext
 from .io.mover import IO_PATHS, Mover
 from .layout import LAYOUTS, check_layout, host_shape
+from .log import package_logger, pool_line
 from .numa import Placement, placement
 from .pages import PageAccess
+from .prepared import PreparedTransfer
 from .sglang_surface import SGLangSurface
 from .transfer import TensorPair, Transfer, tensor_pair
 from .validation import IndexValidator
@@ -100,10 +105,13 @@ class HostPool(PageAccess, SGLangSurface):
         self.closed = False
         self._validator = IndexValidator(self.size, self.page_size, self.layout, self.validate)
         self._binding: Binding | None = None
-        self._movers: dict[str, Mover] = {}
+        self._io = IoContext(self.backend.device, self.backend.mover)
         self._host_writes = 0  # backups issued so far (Transfer.host_writes)
         self._mover(self.io_backend)
         self._init_allocator()
+        logger = package_logger()
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(pool_line(self))
 
     def _check_layout(self, layout: str) -> str:
         return check_layout(layout, self.layouts)
@@ -142,12 +150,51 @@ class HostPool(PageAccess, SGLangSurface):
         if self._memory is not None and self._memory.device_addresses_differ:
             raise ValueError(f"io_backend={io!r} with host_memory='registered': this GPU maps registered memory at another address; use io_backend='direct'")
 
+    @property
+    def _movers(self) -> dict[str, Mover]:
+        """This pool's movers made so far, by io path."""
+        return self._io.movers
+
     def _mover(self, io: str) -> Mover:
         """This pool's mover for an io path: made once, owning the pool's launch caches."""
-        mover = self._movers.get(io)
-        if mover is None:
-            mover = self._movers[io] = self.backend.mover(io)
-        return mover
+        return self._io.mover(io)
+
+    def stats(self) -> dict[str, Any]:
+        """What this pool did (docs/API.md): per direction and io path, calls, bytes and the
+        caller's seconds in them; the path each delegating io path took, how often and why;
+        the last error a transfer call raised."""
+        return self._io.stats.as_dict()
+
+    def prepare(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                io_backend: str | None = None) -> PreparedTransfer:
+        """A transfer of these indices between this pool and `device_pool`, checked and planned
+        once: `plan.load(layer_id)`, `plan.load_all()`, `plan.backup(layer_id=None)` only enqueue
+        (prepared.py).  Raises as the transfer calls do, before anything moves."""
+        try:
+            self._check_open()
+            io = self.io_backend if io_backend is None else io_backend
+            self._check_reads(self._check_io(io))
+            self._mover(io)
+            return PreparedTransfer(self, self._bind(device_pool, range(self.layer_num)), host_indices, device_indices, io)
+        except (ValueError, TypeError) as exc:
+            self._io.stats.error(exc)
+            raise
+
+    def _run(self, plan: PreparedTransfer, to_device: bool, layers: range) -> None:
+        """One call of a prepared transfer."""
+        if self.closed:
+            raise ValueError("host pool: the pool is closed")
+        started = time.perf_counter()
+        if not to_device:
+            self._host_writes += 1
+        transfer = plan.transfer(to_device, layers, self._host_writes)
+        mover = self._io.movers[plan.io]
+        mover.move(transfer)
+        self._record(mover, plan.io, to_device, transfer.bytes if transfer.tokens else 0, started)
+
+    def _record(self, mover: Mover, io: str, to_device: bool, nbytes: int, started: float) -> None:
+        taken = getattr(mover, "last_choice", None) or getattr(mover, "last_path", None)
+        self._io.stats.record(to_device, io, nbytes, time.perf_counter() - started, taken, getattr(mover, "last_reason", ""))
 
     # -- transfers (docs/API.md) ---------------------------------------------------------
 
@@ -175,19 +222,27 @@ class HostPool(PageAccess, SGLangSurface):
         self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), False, io_backend)
 
     def _transfer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: range, to_device: bool, io_backend: str | None) -> None:
+        started = time.perf_counter()
         if self.closed:
             raise ValueError("host pool: the pool is closed")
         io = self.io_backend if io_backend is None else io_backend
-        mover = self._movers.get(io) if type(io) is str else None
-        if mover is None:
-            self._check_reads(self._check_io(io_backend))
-            mover = self._mover(io_backend)
-        binding = self._bind(device_pool, layers)
-        indices = self._validator(host_indices, device_indices, binding.geometry.tokens, to_device)
-        if indices.tokens:
+        mover = self._io.movers.get(io) if type(io) is str else None
+        try:
+            if mover is None:
+                self._check_reads(self._check_io(io_backend))
+                mover = self._mover(io_backend)
+            binding = self._bind(device_pool, layers)
+            indices = self._validator(host_indices, device_indices, binding.geometry.tokens, to_device)
+            if not indices.tokens:
+                return
             if not to_device:
                 self._host_writes += 1
-            mover.move(Transfer(to_device, binding.pairs, indices, layers, self.page_size, self._host_writes))
+            transfer = Transfer(to_device, binding.pairs, indices, layers, self.page_size, self._host_writes)
+            mover.move(transfer)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            self._io.stats.error(exc)
+            raise
+        self._record(mover, io, to_device, transfer.bytes, started)
 
     def _bind(self, device_pool: Any, layers: range) -> Binding:
         """The device pool's checked geometry and tensor pairs, kept for the pool an engine passes every call.
@@ -254,9 +309,7 @@ class HostPool(PageAccess, SGLangSurface):
         if self.closed:
             return
         self.backend.synchronize()
-        for mover in self._movers.values():
-            mover.close()
-        self._movers.clear()
+        self._io.close()
         self._memory.release()
         self.closed = True
         for name in self.kind.buffers:

@@ -126,6 +126,10 @@ class IndexValidator:
         pair = self._validate(host_indices, device_indices, device_tokens, to_device)  # refuses what is not a tensor
         return self._kept.store(tensors, pair, _stamp(host_indices, device_indices, device_tokens, to_device))
 
+    def validate_once(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
+        """A pair validated now and not kept here: a prepared transfer keeps it (prepared.py)."""
+        return self._validate(host_indices, device_indices, device_tokens, to_device)
+
     def _validate(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
         host = index_tensor("host_indices", host_indices)
         dev = index_tensor("device_indices", device_indices)

@@ -177,8 +177,8 @@ class SimulatedGpuBackend(GpuBackend):
         # Every mover handed out, newest last; weakly, so that a dropped pool's mover goes.
         self.created: list[weakref.ref[Mover]] = []
 
-    def mover(self, io: str) -> Mover:
-        mover = super().mover(io)
+    def mover(self, io: str, context=None) -> Mover:
+        mover = super().mover(io, context)
         self.created.append(weakref.ref(mover))
         return mover
 

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..io.auto import AutoMover
+from ..io.context import IoContext
 from ..io.engine import CopyEngine
 from ..io.mover import Mover, MoverFactory
 from ..io.staged import StagedMover
@@ -48,28 +49,37 @@ class Backend(ABC):
         """Whether this backend has the bulk io path (bulk_mover)."""
         return False
 
-    def bulk_mover(self) -> Mover:
-        """A new mover of the bulk io path: a few blocks, a plan made once per index pair."""
+    def bulk_mover(self, fallback: MoverFactory) -> Mover:
+        """A new mover of the bulk io path (a few blocks, a plan made once per index pair), which
+        hands what its plan cannot carry to `fallback`'s mover."""
         raise NotImplementedError(f"backend {self.name!r} has no bulk io path")
 
     @abstractmethod
     def staging_mover(self) -> Mover:
         """A new mover of the copy kernel between a staging slot and the KV buffers (staged io)."""
 
-    def movers(self) -> dict[str, MoverFactory]:
-        """io name -> a factory of new movers; a new io path is one more entry."""
-        engine, kernel = self.engine, self.kernel_mover
+    def movers(self, context: IoContext | None = None) -> dict[str, MoverFactory]:
+        """io name -> a factory of new movers; a new io path is one more entry.  With a pool's
+        `context`, a path that delegates is given the pool's own movers of the paths it
+        delegates to (one staging allocation, one record of staged backups per pool)."""
+        engine = self.engine
+
+        def part(io: str, new: MoverFactory) -> MoverFactory:
+            return new if context is None else (lambda: context.mover(io))
+
+        kernel, direct = part("kernel", self.kernel_mover), part("direct", engine.direct_mover)
 
         def staged() -> StagedMover:
             return StagedMover(engine, self.staging_mover(), kernel)
 
-        bulk = self.bulk_mover if self.offers_bulk else None
+        def bulk() -> Mover:
+            return self.bulk_mover(kernel)
 
         def auto() -> AutoMover:
-            return AutoMover(kernel, engine.direct_mover, staged(), bulk)
+            return AutoMover(kernel, direct, part("staged", staged)(), part("bulk", bulk) if self.offers_bulk else None)
 
-        factories: dict[str, MoverFactory] = {"kernel": kernel, "direct": engine.direct_mover, "staged": staged, "auto": auto}
-        if bulk is not None:
+        factories: dict[str, MoverFactory] = {"kernel": self.kernel_mover, "direct": engine.direct_mover, "staged": staged, "auto": auto}
+        if self.offers_bulk:
             factories["bulk"] = bulk
         return factories
 
@@ -78,9 +88,9 @@ class Backend(ABC):
         """The io paths this backend offers."""
         return tuple(self.movers())
 
-    def mover(self, io: str) -> Mover:
-        """A new mover for io path `io`, to be owned by one host pool."""
-        factories = self.movers()
+    def mover(self, io: str, context: IoContext | None = None) -> Mover:
+        """A new mover for io path `io`, to be owned by one host pool (whose `context` it shares)."""
+        factories = self.movers(context)
         if io not in factories:
             raise ValueError(f"io_backend: backend {self.name!r} offers {', '.join(factories)}, got {io!r}")
         return factories[io]()

@@ -13,7 +13,7 @@ import torch
 
 from ..io.bulk import PlanWalker
 from ..io.kernel_args import WORD_DTYPES
-from ..io.mover import Mover
+from ..io.mover import Mover, MoverFactory
 from ..layout import canonical_view
 from ..transfer import Transfer
 from .base import Backend
@@ -75,8 +75,8 @@ class CpuBackend(Backend):
     def offers_bulk(self) -> bool:
         return True
 
-    def bulk_mover(self) -> Mover:
-        return PlanWalker(self.engine)
+    def bulk_mover(self, fallback: MoverFactory) -> Mover:
+        return PlanWalker(self.engine)  # the model carries every transfer: no fallback
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

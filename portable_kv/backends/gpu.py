@@ -12,7 +12,7 @@ from .. import config
 from ..io.bulk import BulkMover
 from ..io.kernel import KernelMover
 from ..io.kernel_args import LayerTables
-from ..io.mover import Mover
+from ..io.mover import Mover, MoverFactory
 from ..io.staged import LAUNCHES_KEPT, staging_blocks
 from .base import Backend, BackendUnavailable
 from .runtime import DeviceRuntime
@@ -59,8 +59,8 @@ class GpuBackend(Backend):
     def bulk_threads(self) -> int:
         return self.runtime.bulk_threads
 
-    def bulk_mover(self) -> Mover:
-        return BulkMover(self, self.kernel_mover, blocks=self.runtime.bulk_blocks)
+    def bulk_mover(self, fallback: MoverFactory) -> Mover:
+        return BulkMover(self, fallback, blocks=self.runtime.bulk_blocks)
 
     def staging_mover(self) -> Mover:
         # Its device-side writes streamed: cached ones slowed the copy engine's next writes

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..transfer import Transfer
 from .bulk_plan import why_not_bulk
 from .direct import run_offsets
@@ -55,7 +53,6 @@ class AutoMover(Mover):
         self.parts = tuple(self.movers.values())
         share_flag(self.bad_index, *self.parts)
         self.rule = rule
-        self._backup_done: Any = None  # an event recorded after this pool's latest staged backup
         self.last_choice = ""  # the path of the latest call, for benchmarks and diagnostics
         self.last_reason = ""  # ... and why auto took it
 
@@ -89,21 +86,11 @@ class AutoMover(Mover):
     def move(self, transfer: Transfer) -> None:
         self.bad_index.check()
         chosen, self.last_reason = self.choice(transfer)
-        if chosen == "staged" and transfer.to_device and self._backup_running():
+        if chosen == "staged" and transfer.to_device and self.movers["staged"].backup_running():
             chosen, self.last_reason = "kernel", "a staged backup of this pool still runs"
         self.last_choice = chosen
         self.movers[chosen].move(transfer)
-        if chosen == "staged" and not transfer.to_device:
-            streams = self.movers["staged"].streams
-            if self._backup_done is None:
-                self._backup_done = streams.event()
-            streams.record(self._backup_done, streams.current())
-
-    def _backup_running(self) -> bool:
-        """Whether this pool's latest staged backup is still running."""
-        return self._backup_done is not None and not self.movers["staged"].streams.done(self._backup_done)
 
     def close(self) -> None:
-        self._backup_done = None
         for mover in self.parts:
             mover.close()

@@ -89,6 +89,8 @@ class StagedMover(Mover):
         self._start = self.streams.event()
         self._lock = threading.Lock()
         self.last_path = ""  # "staged" or "kernel" (the fallback): the latest call's, for benchmarks
+        self.last_reason = ""
+        self._backup_done: Any = None  # an event recorded after this pool's latest staged backup
 
     def prepared(self, transfer: Transfer) -> Prepared | None:
         """The staged plan of `transfer`, kept with its indices for its pools, or None where
@@ -112,11 +114,20 @@ class StagedMover(Mover):
         prepared = self.prepared(transfer)
         if prepared is None or not prepared.carried_by(self.rule):
             self.last_path = "kernel"
+            self.last_reason = "staging cannot carry it" if prepared is None else "runs too short for the copy engines"
             self.fallback.move(transfer)
             return
-        self.last_path = "staged"
+        self.last_path, self.last_reason = "staged", ""
         with self._lock:
             self._pipeline(transfer, prepared, self._slots_for(transfer.to_device, prepared.plan.slot_bytes))
+            if not transfer.to_device:
+                if self._backup_done is None:
+                    self._backup_done = self.streams.event()
+                self.streams.record(self._backup_done, self.streams.current())
+
+    def backup_running(self) -> bool:
+        """Whether this pool's latest staged backup is still running."""
+        return self._backup_done is not None and not self.streams.done(self._backup_done)
 
     def _slots_for(self, to_device: bool, nbytes: int) -> list[Slot]:
         """A direction's two slots of at least `nbytes`: made at first use, remade for a larger plan."""
@@ -206,5 +217,6 @@ class StagedMover(Mover):
     def close(self) -> None:
         self._slots.clear()
         self._ordered = None
+        self._backup_done = None
         self.kernel.close()
         self.fallback.close()

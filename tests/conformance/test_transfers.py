@@ -24,7 +24,7 @@ from kvspec import (
     randomize,
 )
 
-IOS = ("kernel", "direct")
+IOS = ("kernel", "direct", "bulk")
 
 
 def make_pools(backend, kind, layout, io, dtype=torch.bfloat16, *, layers=3, tokens=128, page_size=8, ratio=2.0, **geometry):

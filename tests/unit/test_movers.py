@@ -210,8 +210,8 @@ def test_another_io_path_is_one_more_factory():
         io = "replay"
 
     class ReplayCpu(cpu.CpuBackend):
-        def movers(self):
-            return super().movers() | {"replay": ReplayMover}
+        def movers(self, context=None):
+            return super().movers(context) | {"replay": ReplayMover}
 
     backend = ReplayCpu()
     assert backend.io_backends == cpu.CpuBackend().io_backends + ("replay",)

@@ -136,3 +136,24 @@ def test_a_device_this_machine_lacks_is_named_with_what_there_is(device):
 def test_a_device_string_torch_cannot_parse_is_named():
     with pytest.raises(ValueError, match="^device: expected a torch.device or a device string"):
         pk.DeviceKVPool(1, 32, 16, 1, 8, 8, device="gpu0")
+
+
+@pytest.mark.parametrize("fault", [
+    lambda: pk.DeviceKVPool(1, 256, 24, 2, 8, 8, dtype=torch.float16),
+    lambda: pk.DeviceKVPool.from_buffers([torch.zeros(256, 2, 8)], [torch.zeros(256, 2, 8)], 24),
+    lambda: pk.DeviceKVPool.from_buffers([torch.zeros(256, 384)], [torch.zeros(256, 384)], 16),
+    lambda: pk.DeviceKVPool.from_buffers([torch.zeros(32, 1, 8, dtype=torch.float16), torch.zeros(32, 1, 8, dtype=torch.bfloat16)],
+                                         [torch.zeros(32, 1, 8, dtype=torch.float16)] * 2, 16),
+    lambda: pk.DeviceKVPool(1, 32, 16, 1, 8, 8, device="gpu0"),
+    lambda: pk.DeviceKVPool(4, 2**40, 64, 4, 192, 128, device="cpu"),
+    lambda: host_pool(small_device_pool(), "page_first").set_from_flat_data_page(0, torch.zeros(1).to_sparse()),
+], ids=["page size", "from_buffers page size", "2-D", "layer dtype", "device string", "too large", "sparse page"])
+def test_the_api_docs_bad_input_table_quotes_each_message(fault):
+    """Each row of docs/API.md's table of bad inputs starts as the error it names does."""
+    from pathlib import Path
+
+    api = (Path(__file__).resolve().parents[2] / "docs" / "API.md").read_text()
+    with pytest.raises((ValueError, TypeError)) as raised:
+        fault()
+    opening = str(raised.value).split(" need ")[0][:60]  # the bytes a machine holds differ: quoted up to them
+    assert f"`{opening}" in api, f"docs/API.md's bad-input table lacks {opening!r}"

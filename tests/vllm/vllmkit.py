@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vllm 0.33.0 is not installed here (tox -e vllm installs it)")
+pytest.importorskip("vllm.v1.kv_offload.base", reason="vllm 0.33.0 is not installed here (tox -e vllm installs it)")
 
 from vllm import _custom_ops  # noqa: E402
 from vllm.v1.kv_offload import base  # noqa: E402

@@ -37,6 +37,10 @@ SGLANG_SET=(
   ipython==9.18.1 traitlets==5.16.1 setproctitle==1.3.8
   openai==2.8.0 distro==1.9.0 sniffio==1.3.1 partial-json-parser==0.2.1.1.post7
   fastapi==0.165.0 uvicorn==0.54.0 opentelemetry-api==1.45.2
+  # SGLang's JIT kernels (the bench's SGLang peers) compile on first use with the host's
+  # nvcc through ninja (its binary: /tmp/pkv-extra/bin, gpu_round.sh puts it on PATH) and
+  # link apache-tvm-ffi above; their sources stay in the slimmed wheel (sglang/kernels/jit).
+  ninja==1.13.2
   # SGLang's config package registers image processors with transformers, which wants
   # torchvision for that. It must be the build for the host's torch (0.26.0 is torch
   # 2.11.0's, CUDA 13.0 on PyPI); gpu_round.sh keeps the host's own where it has one.

@@ -8,6 +8,8 @@
 #   on the GPU host:                     bash tools/gpu_round.sh [--full]  (--full: the long benchmark)
 # SKIP_TESTS, SKIP_SGLANG, SKIP_SANITIZER, SKIP_BENCH=1 leave a step out (to split the round over
 # several calls; SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1 runs the SGLang step alone after check).
+# BENCH_SECTIONS picks the benchmark's sections, in order (default: host-cost staged engine all);
+# STAGED_PAGES the staged section's page sizes (default 64), DRAWS the draws of rows beside compute.
 # Wheels in .whl/extra/ (e.g. SGLang, Mooncake) are put on the tests' path as they are.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,8 @@ if compgen -G ".whl/extra/*.whl" >/dev/null; then
   # the whole call; then each goes on its own, so that the others are still installed.
   pip_extra "${EXTRA[@]}" || for wheel in "${EXTRA[@]}"; do pip_extra "$wheel"; done
   HOST_SITE_PACKAGES=/tmp/pkv-extra${HOST_SITE_PACKAGES:+:$HOST_SITE_PACKAGES}
+  # Programs of the extra wheels (ninja, which SGLang's JIT kernels build with).
+  [ -d /tmp/pkv-extra/bin ] && export PATH=/tmp/pkv-extra/bin:$PATH
 fi
 export HOST_SITE_PACKAGES
 # Every step imports the package from this tree.
@@ -123,11 +127,28 @@ if command -v compute-sanitizer >/dev/null && [ -z "${SKIP_SANITIZER:-}" ]; then
   done
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  step host_cost; timeout 120 python3 -m portable_kv bench --section host-cost 2>&1 | tee -a "$LOG"
-  step staged; timeout "${STAGED_TIMEOUT:-600}" python3 -m portable_kv bench --section staged $BENCH --json "$OUT/staged.json" > "$OUT/staged.txt" 2>&1
-  grep -E "^staged|^ceiling" "$OUT/staged.txt" | tee -a "$LOG"
-  step bench; timeout "${BENCH_TIMEOUT:-420}" python3 -m portable_kv bench $BENCH --json "$OUT/bench.json" --plot "$OUT/bench.png" \
-    --markdown "$OUT/bench.md" > "$OUT/bench.txt" 2>&1
-  tail -n 40 "$OUT/bench.txt" | tee -a "$LOG"
+  # SGLang's JIT kernels are the staged and engine sections' peers where SGLang imports; its
+  # utilities import sgl_kernel, for which the tests' stand-in serves where SGLang's own is missing.
+  BENCH_PATH=$PYTHONPATH
+  python3 -c "import sgl_kernel" 2>/dev/null || BENCH_PATH=$PYTHONPATH:$ROOT/tests/gpu/standins
+  bench() { PYTHONPATH=$BENCH_PATH timeout "$1" python3 -m portable_kv bench --draws "${DRAWS:-5}" "${@:2}"; }
+  for section in ${BENCH_SECTIONS:-host-cost staged engine all}; do
+    started=$SECONDS
+    case $section in
+      host-cost) step host_cost; bench "${HOST_COST_TIMEOUT:-150}" --section host-cost --json "$OUT/host_cost.json" > "$OUT/host_cost.txt" 2>&1; status=$?
+                 grep -E "^host_cost|^ceiling" "$OUT/host_cost.txt" | tee -a "$LOG" ;;
+      staged) step staged; bench "${STAGED_TIMEOUT:-360}" --section staged $BENCH --page-size "${STAGED_PAGES:-64}" --json "$OUT/staged.json" \
+                > "$OUT/staged.txt" 2>&1; status=$?
+              grep -E "^staged|^ceiling" "$OUT/staged.txt" | tee -a "$LOG" ;;
+      engine) step engine; bench "${ENGINE_TIMEOUT:-240}" --section engine $BENCH --json "$OUT/engine.json" --markdown "$OUT/engine.md" \
+                > "$OUT/engine.txt" 2>&1; status=$?
+              grep -vE "^\[bench\]" "$OUT/engine.txt" | tee -a "$LOG" ;;
+      all) step bench; bench "${BENCH_TIMEOUT:-420}" $BENCH --json "$OUT/bench.json" --plot "$OUT/bench.png" --markdown "$OUT/bench.md" \
+             > "$OUT/bench.txt" 2>&1; status=$?
+           tail -n 40 "$OUT/bench.txt" | tee -a "$LOG" ;;
+      *) status="unknown section (host-cost, staged, engine, all)" ;;
+    esac
+    echo "bench $section: exit status $status, $((SECONDS - started)) s" | tee -a "$LOG"
+  done
 fi
 echo "=== done" | tee -a "$LOG"

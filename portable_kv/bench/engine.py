@@ -87,6 +87,7 @@ def _measure(ctx: Context) -> list[Row]:
                   "last_layer_ms": last_s * 1e3, "recompute_ms": recompute_s * 1e3, "device_pool_mb": pools.device_bytes() / 1e6,
                   **flops_summary(model, prefix, new)}
         for name in ctx.names:
+            backends.use(name)  # the host pools are bound to the backend current when they are made
             side = HostSide(pools)
             try:
                 engines, about, reason = paths(ctx, pools, side, forward, name)
@@ -107,8 +108,7 @@ def _measure(ctx: Context) -> list[Row]:
 def paths(ctx: Context, pools: Pools, side: HostSide, forward: Forward, name: str) -> tuple[dict[str, Engine], dict[str, dict], str]:
     """Per path of backend `name` (and SGLang's kernels with the first backend) its engine, and of
     SGLang's paths which kernel each kind of pool's loads run; why SGLang's kernels are absent, if they are."""
-    backend = backends.use(name)
-    engines = {io: Engine(pools, side, forward, io, ctx.gpu) for io in io_paths(backend)}
+    engines = {io: Engine(pools, side, forward, io, ctx.gpu) for io in io_paths(backends.get(name))}
     if name != ctx.names[0]:
         return engines, {}, ""
     found = {}

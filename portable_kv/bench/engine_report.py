@@ -112,19 +112,31 @@ LEGEND = ("prefill: loads on the load stream and the forward on the model's stre
 def table(rows: list, meta: dict) -> str:
     """The section's terminal table: the header says where every number comes from."""
     lines = header(rows, meta) + [""]
-    lines.append(f"{'path':<16} {'prefix':>7} {'new':>5} {'MB':>8} {'prefill':>9} {'forward':>9} {'loads':>8} {'exposed':>8} {'GB/s':>7} "
-                 f"{'%ceil':>6} {'recompute':>10} {'bound':>8} {'x bound':>8} {'x faster':>9} {'host':>8} {'issue':>7} {'ok':>3}")
+    lines.append(f"{'path':<18} {'prefix':>7} {'new':>5} {'MB':>8} {'prefill':>9} {'(spread)':>15} {'forward':>9} {'(spread)':>15} "
+                 f"{'loads':>8} {'exposed':>8} {'GB/s':>7} {'%ceil':>6} {'recompute':>10} {'bound':>8} {'x bound':>8} {'x faster':>9} "
+                 f"{'host':>8} {'issue':>7} {'ok':>3}")
     for r in rows:
         e = r.extra
         if "prefill_ms" not in e:
             continue
-        lines.append(f"{r.name:<16} {e['prefix']:>7} {e['new']:>5} {e['bytes_loaded'] / 1e6:>8.2f} {e['prefill_ms']:>9.3f} {e['compute_ms']:>9.3f} "
-                     f"{e['loads_ms']:>8.3f} {e['exposed_ms']:>8.3f} {r.gbps:>7.1f} {r.pct_ceiling or 0:>6.1f} {e['recompute_ms']:>10.2f} "
-                     f"{e['bound_ms']:>8.3f} {e['prefill_vs_bound']:>8.2f} {e['vs_recompute']:>9.1f} {e['prefill_host_ms']:>8.3f} "
-                     f"{e['loads_host_ms']:>7.3f} {'yes' if e['verified'] else 'NO':>3}")
-    lines += ["", LEGEND, ""]
+        lines.append(f"{r.name:<18} {e['prefix']:>7} {e['new']:>5} {e['bytes_loaded'] / 1e6:>8.2f} {e['prefill_ms']:>9.3f} {spread(e, 'prefill_ms'):>15} "
+                     f"{e['compute_ms']:>9.3f} {spread(e, 'compute_ms'):>15} {e['loads_ms']:>8.3f} {e['exposed_ms']:>8.3f} {r.gbps:>7.1f} "
+                     f"{r.pct_ceiling or 0:>6.1f} {e['recompute_ms']:>10.2f} {e['bound_ms']:>8.3f} {e['prefill_vs_bound']:>8.2f} "
+                     f"{e['vs_recompute']:>9.1f} {e['prefill_host_ms']:>8.3f} {e['loads_host_ms']:>7.3f} {'yes' if e['verified'] else 'NO':>3}")
+    lines += ["", LEGEND + DRAWN, ""]
+    lines += [f"{r.name}: not measured: {r.extra['absent']}" for r in rows if "absent" in r.extra]
+    lines += [f"{r.name}: {r.extra['kernel']}" for r in rows if "kernel" in r.extra and "prefill_ms" in r.extra]
     lines += [break_even_line(r) for r in rows if "break_even_tokens" in r.extra]
     return "\n".join(lines)
+
+
+DRAWN = (" Prefill and forward drawn several times, the paths in turn: the median, (spread) the least and the most of the draws;"
+         " SGLang JIT: its kernel as its host pools call it (TMA where its rows and the page fit), SGLang JIT reg 2: its register"
+         " kernel at 2 blocks, K and V as two calls where their rows differ, indices on the device.")
+
+
+def spread(e: dict, key: str) -> str:
+    return f"{e[key + '_min']:.2f}-{e[key + '_max']:.2f}" if key + "_min" in e else ""
 
 
 def break_even_line(r: Row) -> str:

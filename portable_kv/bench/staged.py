@@ -190,7 +190,7 @@ def section(ctx: Context, w: StagedWorkload, name: str, with_peers: bool) -> lis
                 label = f"{name} {io}, {where}"
                 for row in [*bench_pool(clock, w, host, io, reps, ceil, "staged", label), back_to_back(clock, w, host, io, reps, ceil, label)]:
                     rows.append(_with_sms(row, backend, host, w, io, clock.gpu))
-            sglang = SGLangPeers.of(w, host) if layout == "layer_first" and clock.gpu and name == ctx.names[0] else None
+            sglang = SGLangPeers.of(w, host) if layout == "layer_first" and name == ctx.names[0] else None
             if sglang is not None:
                 rows += sglang.rows(clock, reps, ceil, where)
             if clock.gpu and w.pool == "MHA":  # the MLA rows: the io paths alone
@@ -217,7 +217,7 @@ def _with_sms(row: Row, backend: Any, host: pk.AsymmetricHostPool | pk.MLAHostPo
     (or staged, which falls back where it cannot carry a call) took: one more call tells."""
     taken = io
     if io in ("auto", "staged"):
-        watch = AutoWatch(host, row.direction)
+        watch = AutoWatch(host)
         if row.direction == "h2d":
             host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, 0, io_backend=io)
         else:
@@ -225,6 +225,8 @@ def _with_sms(row: Row, backend: Any, host: pk.AsymmetricHostPool | pk.MLAHostPo
         mover = host._mover(io)  # noqa: SLF001 -- the bench reports the path a call took
         if io == "auto":
             taken = row.extra["auto_took"] = watch.took()
+            if watch.reasons():
+                row.extra["auto_reason"] = "; ".join(watch.reasons().values())
             mover = getattr(mover, "movers", {}).get("staged")
         if taken == "staged" and mover is not None:
             taken = row.extra["staged_took"] = getattr(mover, "last_path", taken)

@@ -40,6 +40,8 @@ def interference(ctx: Context, w: Workload, host: pk.AsymmetricHostPool, name: s
         extra = summarize(draws)
         if label == f"{name} auto" and watch is not None:
             extra["auto_took"] = watch.took()
+            if watch.reasons():
+                extra["auto_reason"] = "; ".join(f"{path}: {why}" for path, why in watch.reasons().items())
         if sglang is not None and label in map(sglang.label, sglang.kernels):
             extra |= sglang.extra(next(k for k in sglang.kernels if sglang.label(k) == label))
         rows.append(Row("staged", f"{label} load during matmul, interleaved, {where}", "h2d", w.page_size, extra["gbps"],

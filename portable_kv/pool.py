@@ -175,7 +175,8 @@ class HostPool(PageAccess, SGLangSurface):
             io = self.io_backend if io_backend is None else io_backend
             self._check_reads(self._check_io(io))
             self._mover(io)
-            return PreparedTransfer(self, self._bind(device_pool, range(self.layer_num)), host_indices, device_indices, io)
+            binding = self._bind(device_pool, range(self.layer_num))
+            return PreparedTransfer(self, binding.pairs, binding.geometry.tokens, host_indices, device_indices, io)
         except (ValueError, TypeError) as exc:
             self._io.stats.error(exc)
             raise

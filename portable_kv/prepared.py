@@ -15,24 +15,34 @@ after an engine replaces a buffer, prepare again.  A plan of a closed pool raise
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .indices import IndexPair
-from .transfer import Transfer
+from .transfer import TensorPair, Transfer
+from .validation import IndexValidator
 
-if TYPE_CHECKING:
-    from .pool import Binding, HostPool
+
+class PlannedPool(Protocol):
+    """What a plan asks of its host pool (pool.py's HostPool)."""
+
+    layer_num: int
+    page_size: int
+    _validator: IndexValidator
+
+    def _layer(self, layer_id: int) -> range: ...
+    def _run(self, plan: PreparedTransfer, to_device: bool, layers: range) -> None: ...
 
 
 class PreparedTransfer:
     """One pair of index tensors of one host pool and one device pool, on one io path."""
 
-    def __init__(self, pool: HostPool, binding: Binding, host_indices: Any, device_indices: Any, io: str) -> None:
+    def __init__(self, pool: PlannedPool, pairs: tuple[TensorPair, ...], device_tokens: int, host_indices: Any, device_indices: Any,
+                 io: str) -> None:
         self.pool, self.io = pool, io
-        self._pairs = binding.pairs
-        self._device_tokens = binding.geometry.tokens
+        self._pairs = pairs
+        self._device_tokens = device_tokens
         self._layers = [range(layer, layer + 1) for layer in range(pool.layer_num)]
         self._all = range(pool.layer_num)
         # The plan's own copies: an engine that rewrites its tensors after prepare() does

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[1] / "portable_kv"
 PACKAGE = "portable_kv"
 # Lowest first; an entry is a top-level module or a folder of the package.
 LAYERS = (
-    ("core", ("config", "cache", "layout", "indices", "transfer")),
+    ("core", ("config", "log", "stats", "cache", "layout", "indices", "transfer")),
     ("io paths", ("io",)),
     ("backends", ("backends",)),
-    ("host pool", ("numa", "allocator", "device_pool", "host_memory", "validation", "pages", "sglang_surface", "pool", "mla")),
+    ("host pool", ("numa", "allocator", "device_pool", "host_memory", "validation", "pages", "sglang_surface", "prepared", "pool", "mla")),
     ("integrations", ("storage", "engines", "sglang", "sglang_mla")),
     ("commands", ("testing", "check", "bench", "cli", "__init__", "__main__")),
 )

@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..config import IO_PATHS
 from ..transfer import Transfer
 
-IO_PATHS = ("kernel", "direct", "staged", "auto", "bulk")
+__all__ = ["IO_PATHS", "BadIndexFlag", "Mover", "MoverFactory", "share_flag"]
 
 
 class BadIndexFlag:

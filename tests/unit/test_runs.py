@@ -597,3 +597,19 @@ def test_auto_takes_bulk_where_offered_and_its_plan_carries_the_transfer(cpu_bac
         assert mover.last_choice == chosen, v_dim
         assert ("few blocks" in mover.last_reason) if chosen == "bulk" else ("short runs" in mover.last_reason)
         host.close()
+
+
+def test_a_pools_paths_share_one_mover_of_each_path(cpu_backend):
+    """auto, staged and bulk of one pool delegate to that pool's own movers: one staging
+    allocation and one record of staged backups per pool, whichever path issued them."""
+    P = 4
+    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="auto")
+    auto_mover = host._mover("auto")
+    assert auto_mover.movers["staged"] is host._mover("staged") and auto_mover.movers["kernel"] is host._mover("kernel")
+    assert host._mover("staged").fallback is host._mover("kernel")
+    assert auto_mover.movers["bulk"] is host._mover("bulk")
+    flags = {id(m.bad_index) for m in host._movers.values()}
+    assert len(flags) == 1, "one bad-index flag per pool"
+    host.close()
+    assert host._movers == {}

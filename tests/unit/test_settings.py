@@ -155,3 +155,15 @@ def test_pool_line_describes_an_mla_pool_on_an_explicit_node():
         line = log.pool_line(host)
     assert line.startswith("MLAHostPool: 3 layers, latent 1x24, torch.bfloat16; 64 tokens in 4 pages of 16; layout layer_first, io direct; ")
     assert line.endswith("NUMA node 0 (explicit numa_node=0)")
+
+
+@pytest.mark.parametrize("level, logged", [("INFO", True), ("WARNING", False)])
+def test_a_host_pool_logs_one_line_at_construction_at_info(clean_env, package_logger_restored, level, logged):
+    clean_env.setenv("PORTABLE_KV_LOG_LEVEL", level)
+    records = Records()
+    package_logger_restored.addHandler(records)
+    log.configure()
+    dev = pk.DeviceKVPool(2, 64, 16, 2, 8, 4, dtype=torch.float16)
+    with pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="kernel") as host:
+        lines = [m for m in records.messages if m.startswith("AsymmetricHostPool")]
+        assert lines == ([log.pool_line(host)] if logged else [])

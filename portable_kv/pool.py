@@ -191,7 +191,7 @@ class HostPool(PageAccess, SGLangSurface):
         transfer = plan.transfer(to_device, layers, self._host_writes)
         mover = self._io.movers[plan.io]
         mover.move(transfer)
-        self._record(mover, plan.io, to_device, transfer.bytes if transfer.tokens else 0, started)
+        self._record(mover, plan.io, to_device, plan.nbytes_per_layer * len(layers), started)
 
     def _record(self, mover: Mover, io: str, to_device: bool, nbytes: int, started: float) -> None:
         taken = getattr(mover, "last_choice", None) or getattr(mover, "last_path", None)

@@ -50,6 +50,7 @@ class PreparedTransfer:
         self._given = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in (host_indices, device_indices))
         self._indices: dict[bool, IndexPair] = {}
         self.tokens = self.indices(True).tokens  # validated now: bad input raises at prepare()
+        self.nbytes_per_layer = int(sum(self.tokens * p.device_token_bytes for p in pairs))
 
     def indices(self, to_device: bool) -> IndexPair:
         """The validated pair for one direction (a load's destinations are device slots, a
@@ -75,10 +76,6 @@ class PreparedTransfer:
 
     def transfer(self, to_device: bool, layers: range, host_writes: int) -> Transfer:
         return Transfer(to_device, self._pairs, self.indices(to_device), layers, self.pool.page_size, host_writes)
-
-    @property
-    def nbytes_per_layer(self) -> int:
-        return int(sum(self.tokens * p.device_token_bytes for p in self._pairs))
 
     def __repr__(self) -> str:
         return f"PreparedTransfer(io={self.io!r}, tokens={self.tokens}, layers={len(self._all)})"

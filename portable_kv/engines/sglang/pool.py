@@ -18,10 +18,8 @@ import torch
 
 from ... import config
 from ...device_pool import MHA, DeviceKVPool, MLADevicePool, PoolKind
-from ...io.mover import IO_PATHS
 
-# What SGLang's `--hicache-io-backend` offers for host pools on GPUs.
-SGLANG_IO_CHOICES = ("kernel", "direct")
+SGLANG_IO_CHOICES = config.SGLANG_IO_CHOICES  # what SGLang's `--hicache-io-backend` offers for host pools on GPUs
 
 
 def io_mapping() -> dict[str, str]:
@@ -31,20 +29,8 @@ def io_mapping() -> dict[str, str]:
     lets its pools use `staged` or `auto` too: one path (every call takes it) or
     pairs (``kernel=auto,direct=staged``).
     """
-    raw = config.SGLANG_IO.raw()
-    if not raw:
-        return {}
-    pairs = [part.strip() for part in raw.split(",") if part.strip()]
-    if len(pairs) == 1 and "=" not in pairs[0]:
-        pairs = [f"{choice}={pairs[0]}" for choice in SGLANG_IO_CHOICES]
-    mapping = {}
-    for pair in pairs:
-        choice, _, path = (text.strip() for text in pair.partition("="))
-        if choice not in SGLANG_IO_CHOICES or path not in IO_PATHS:
-            raise config.ConfigError(f"{config.SGLANG_IO.name}: expected one of {', '.join(IO_PATHS)} or pairs like "
-                                     f"kernel=staged,direct=auto (SGLang's choices: {', '.join(SGLANG_IO_CHOICES)}), got {raw!r}")
-        mapping[choice] = path
-    return mapping
+    raw = config.SGLANG_IO.raw()  # validated where it is read
+    return config.sglang_io_mapping(raw) if raw else {}
 
 
 def sglang_host_tokens(host_to_device_ratio: float, host_size: float, page_size: int, device_capacity_tokens: int,

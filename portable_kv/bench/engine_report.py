@@ -125,7 +125,8 @@ def table(rows: list, meta: dict) -> str:
                      f"{e['vs_recompute']:>9.1f} {e['prefill_host_ms']:>8.3f} {e['loads_host_ms']:>7.3f} {'yes' if e['verified'] else 'NO':>3}")
     lines += ["", LEGEND + DRAWN, ""]
     lines += [f"{r.name}: not measured: {r.extra['absent']}" for r in rows if "absent" in r.extra]
-    lines += [f"{r.name}: {r.extra['kernel']}" for r in rows if "kernel" in r.extra and "prefill_ms" in r.extra]
+    kernels = {r.name: r.extra["kernel"] for r in rows if "kernel" in r.extra and "prefill_ms" in r.extra}
+    lines += [f"{name}: " + "; ".join(f"{kind} layers: {which}" for kind, which in kernel.items()) for name, kernel in kernels.items()]
     lines += [break_even_line(r) for r in rows if "break_even_tokens" in r.extra]
     return "\n".join(lines)
 

@@ -6,13 +6,16 @@
 # folder there, so the host's older packaging or filelock do not matter), plus
 # setuptools, the build backend pip needs for the editable install in its isolated
 # build environment. All are pure Python: a few MiB in all.
-#   usage: bash tools/fetch_gpu_wheels.sh [--sglang] [NAME==VERSION ...]
+#   usage: bash tools/fetch_gpu_wheels.sh [--sglang | --vllm] [NAME==VERSION ...]
 # Extra requirements (e.g. Mooncake's wheel for the storage tests) go to .whl/extra/
 # without their dependencies; gpu_round.sh puts them on the tests' path.
 # --sglang: SGLang 0.5.23 and the wheels its HiCache path imports beyond the GPU host's
 # image, into .whl/extra/ (SGLANG_SET below). What travels to the GPU host (the tree and
 # the carried folders) is limited to 64 MiB: the SGLang set is ~36 MiB and Mooncake's
 # CUDA wheel ~47 MiB, so the two go in separate rounds (`rm -r .whl/extra` between).
+# --vllm: vLLM 0.33.0 cut to its Python files and the wheels its KV offloading path imports
+# beyond the GPU host's image, into .whl/extra/ (VLLM_SET below), for tests/gpu/test_vllm_gpu.py:
+# ~35 MiB (vLLM's Python files 12 MiB), so it goes in a round of its own, as the SGLang set does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON_VERSION:-3.12}
@@ -45,6 +48,20 @@ SGLANG_SET=(
   # torchvision for that. It must be the build for the host's torch (0.26.0 is torch
   # 2.11.0's, CUDA 13.0 on PyPI); gpu_round.sh keeps the host's own where it has one.
   "torchvision==${PKV_TORCHVISION:-0.26.0}"
+)
+# Found by importing vLLM's offloading connector, CPU spec and worker and its connector worker
+# with vllm installed without its dependencies (tox.ini's [testenv:vllm] pins the same
+# versions), less what the SGLang set found in the host's image (transformers, tokenizers,
+# safetensors, requests, psutil, tqdm, PyYAML, aiohttp, pillow). Its openai wants httpx2.
+VLLM_SET=(
+  vllm==0.33.0
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  msgspec==0.23.0 pyzmq==27.3.0 cbor2==6.3.0 pybase64==1.5.1 cloudpickle==3.1.3 uvloop==0.23.0
+  py-cpuinfo==9.0.0 prometheus_client==0.26.0 cachetools==8.0.2 regex==2026.11.19
+  openai==3.60.0 openai-harmony==0.0.8 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0
+  anyio==4.16.0 sniffio==1.3.1
+  xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 llguidance==1.7.0
+  fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 partial-json-parser==0.2.1.1.post7
 )
 download() {
   local dest=$1; shift
@@ -83,14 +100,44 @@ print(f"{os.path.basename(path)}: Rust extension modules left out")
 EOF
   done
 }
+# vLLM's wheel cut to its Python files (336 MiB as published, nearly all of it CUDA kernels,
+# FlashAttention and FlashMLA, which the offloading path does not load: portable_kv moves
+# the bytes); RECORD loses the other lines.
+slim_vllm() {
+  local wheel
+  for wheel in .whl/extra/vllm-*.whl; do
+    python3 - "$wheel" <<'EOF'
+import os, sys, zipfile
+path = sys.argv[1]
+kept = lambda name: name.endswith(".py") or ".dist-info/" in name
+with zipfile.ZipFile(path) as src, zipfile.ZipFile(path + ".part", "w", zipfile.ZIP_DEFLATED) as dst:
+    for info in src.infolist():
+        if not kept(info.filename):
+            continue
+        data = src.read(info)
+        if info.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(line for line in data.splitlines(keepends=True) if kept(line.split(b",")[0].decode()))
+        dst.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+os.replace(path + ".part", path)
+print(f"{os.path.basename(path)}: Python files only")
+EOF
+  done
+}
 SGLANG=""
+VLLM=""
 if [ "${1:-}" = "--sglang" ]; then SGLANG=1; shift; fi
+if [ "${1:-}" = "--vllm" ]; then VLLM=1; shift; fi
 mkdir -p .whl
 download .whl "${TOX_CLOSURE[@]}"
 if [ -n "$SGLANG" ]; then
   mkdir -p .whl/extra
   download .whl/extra "${SGLANG_SET[@]}"
   slim_sglang
+fi
+if [ -n "$VLLM" ]; then
+  mkdir -p .whl/extra
+  download .whl/extra --platform manylinux_2_31_x86_64 "${VLLM_SET[@]}"  # llguidance is manylinux_2_31
+  slim_vllm
 fi
 if [ $# -gt 0 ]; then
   mkdir -p .whl/extra

@@ -17,7 +17,6 @@ and evicts it from device and host, checking every target and draft layer byte f
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 from array import array
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mimokit import WorkerStandIn, hicache_draft_plan, kv_cache_configurator, poll, radix_key
+from mimokit import build_tree_cache, hicache_draft_plan, kv_cache_configurator, poll, radix_key
 from mlakit import DTYPES, CpuMlaKvcacheio, fill, same
 
 PAGE = 4
@@ -137,13 +136,8 @@ def build_stack(workdir: Path, layout: str, io: str, *, dtype: str = "bf16", mtp
     SGLang's own, moved by `CpuMlaKvcacheio`.  `storage_dir` attaches SGLang's HiCacheFile tier there.
     """
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hicache_auto_size import auto_size_hicache
-    from sglang.srt.mem_cache.kv_cache_builder import maybe_register_hicache_draft, uses_ssm_state
     from sglang.srt.mem_cache.pool_host import common
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-    from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_spec, reset_context
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.runtime_context import get_memory, reset_context
 
     import portable_kv.engines.sglang as pk_sglang
 
@@ -172,31 +166,11 @@ def build_stack(workdir: Path, layout: str, io: str, *, dtype: str = "bf16", mtp
             common._cuda_host_register = lambda buffer, registration_granularity_bytes=None: None
             exit_stack.callback(setattr, common, "_cuda_host_register", registered)
 
-        params = CacheInitParams(
-            disable=False, req_to_token_pool=target.req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=PAGE,
-            is_eagle=SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm).is_eagle(), tp_cache_group=None,
-            attn_cp_cache_group=None, attn_tp_cache_group=None, pp_cache_group=None, eviction_policy=get_memory().radix_eviction_policy,
-            eviction_policy_config=get_memory().radix_eviction_policy_config, chunked_prefill_size=get_schedule().chunked_prefill_size,
-            mtp_draft_device_pools=drafts)
-        worker = WorkerStandIn()
-        context = TreeCacheBuildContext(
-            server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=uses_ssm_state(model_config),
-            enable_hierarchical_cache=get_memory().enable_hierarchical_cache, disable_radix_cache=get_memory().disable_radix_cache,
-            tp_worker=worker, model_config=model_config, tp_size=get_parallel().tp_size, tp_rank=get_parallel().tp_rank, tp_group=None,
-            full_tokens_per_layer=target.full_max_total_num_tokens)
-        with auto_size_hicache(params, draft_plan, enabled=True):
-            tree = create_tree_cache(context)
-            if draft_plan is not None:
-                maybe_register_hicache_draft(tree_cache=tree, draft_plan=draft_plan)
-        atexit.unregister(tree.shutdown)  # the stack detaches the tier on close instead
-        exit_stack.callback(tree.release_host_resources)
-        if tree.enable_storage:
-            exit_stack.callback(tree.shutdown)
+        tree, _ = build_tree_cache(args, model_config, target, draft_plan, drafts, exit_stack, "DeepSeek-V3")
         host = tree.host_pool_group.anchor_entry.host_pool
         if ops is not None:
             ops.register(*host.data_refs)
             host.pin_memory = False  # its dummy pages would pin through the CUDA driver
-        assert type(tree).__name__ == "UnifiedRadixCache" and worker.hicache_layer_transfer_counter is tree.cache_controller.layer_done_counter
         return DeepSeekStack(layout=get_memory().hicache_mem_layout, io=get_memory().hicache_io_backend, dtype=dtype, tp_rank=tp_rank,
                              model_config=model_config, kvcache=kvcache, drafts=drafts, allocator=allocator,
                              req_to_token_pool=target.req_to_token_pool, tree=tree, controller=tree.cache_controller, host=host,

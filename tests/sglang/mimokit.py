@@ -389,6 +389,68 @@ def hicache_draft_plan(target, drafts: tuple, draft_config):
     return plan, target_runner.mtp_draft_device_pools
 
 
+def build_tree_cache(args, model_config, target, draft_plan, mtp_draft_device_pools: tuple, exit_stack: contextlib.ExitStack, model: str):
+    """SGLang's radix tree over `target`'s pools with HiCache attached, as the scheduler builds it; (tree, CacheInitParams).
+
+    What kv_cache_builder.build_kv_cache hands the tree-cache factory, and the factory itself: it
+    builds SGLang's UnifiedRadixCache, whose init_hicache attaches the host pools and the controller
+    (attach_hybrid_pool_to_unified_cache), then registers any draft sidecar of `draft_plan`.  One
+    process stands for rank 0, so there are no process groups for the tree to reduce over.  The tree
+    releases its host pools (and detaches any storage tier) when `exit_stack` closes.
+    """
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hicache_auto_size import auto_size_hicache
+    from sglang.srt.mem_cache.kv_cache_builder import maybe_register_hicache_draft, uses_ssm_state
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=target.req_to_token_pool,
+        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator,
+        page_size=get_schedule().page_size,
+        is_eagle=SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm).is_eagle(),
+        tp_cache_group=None,
+        attn_cp_cache_group=None,
+        attn_tp_cache_group=None,
+        pp_cache_group=None,
+        eviction_policy=get_memory().radix_eviction_policy,
+        eviction_policy_config=get_memory().radix_eviction_policy_config,
+        enable_session_radix_cache=get_memory().enable_session_radix_cache,
+        chunked_prefill_size=get_schedule().chunked_prefill_size,
+        sliding_window_size=model_config.sliding_window_size,
+        mtp_draft_device_pools=mtp_draft_device_pools,
+    )
+    worker = WorkerStandIn()
+    context = TreeCacheBuildContext(
+        server_args=args,
+        params=params,
+        is_hybrid_swa=model_config.is_hybrid_swa,
+        is_hybrid_ssm=uses_ssm_state(model_config),
+        enable_hierarchical_cache=get_memory().enable_hierarchical_cache,
+        disable_radix_cache=get_memory().disable_radix_cache,
+        tp_worker=worker,
+        model_config=model_config,
+        tp_size=get_parallel().tp_size,
+        tp_rank=get_parallel().tp_rank,
+        tp_group=None,
+        full_tokens_per_layer=target.full_max_total_num_tokens,
+    )
+    with auto_size_hicache(params, draft_plan, enabled=get_memory().enable_hierarchical_cache):
+        tree = create_tree_cache(context)
+        if draft_plan is not None:
+            maybe_register_hicache_draft(tree_cache=tree, draft_plan=draft_plan)
+    # init_hicache registers the storage detach with atexit; the stack detaches on close instead.
+    atexit.unregister(tree.shutdown)
+    exit_stack.callback(tree.release_host_resources)
+    if tree.enable_storage:  # its threads stop before the host pools go
+        exit_stack.callback(tree.shutdown)
+    assert type(tree).__name__ == "UnifiedRadixCache", f"SGLang built {type(tree).__name__} for {model}"
+    assert worker.hicache_layer_transfer_counter is tree.cache_controller.layer_done_counter
+    return tree, params
+
+
 def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool, workdir: Path | None = None, storage: bool = False) -> MimoStack:
     """Build MiMo-V2-Flash's HiCache stack the way SGLang's scheduler does, on `device`.
 
@@ -405,12 +467,7 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
     sgl_kernel there.
     """
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hicache_auto_size import auto_size_hicache
-    from sglang.srt.mem_cache.kv_cache_builder import maybe_register_hicache_draft, uses_ssm_state
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-    from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_spec, reset_context
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.runtime_context import get_memory, get_spec, reset_context
 
     import portable_kv.engines.sglang as pk_sglang
 
@@ -449,53 +506,7 @@ def build_stack(device: str, layout: str, io: str, *, mtp: bool, installed: bool
         # The speculative worker's HiCache draft plan (init_hicache_draft_plan): SGLang decides
         # whether the MTP drafts pack into the target's host pools or ride in a sidecar.
         draft_plan, packed_drafts = hicache_draft_plan(target, drafts, draft_config) if mtp else (None, ())
-        # What kv_cache_builder.build_kv_cache hands the tree-cache factory, and the factory itself:
-        # it builds SGLang's UnifiedRadixCache, whose init_hicache attaches the host pools and the
-        # controller (attach_hybrid_pool_to_unified_cache), then registers any draft sidecar.
-        # One process stands for rank 0, so there are no process groups for the tree to reduce over.
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=target.req_to_token_pool,
-            token_to_kv_pool_allocator=allocator,
-            page_size=PAGE,
-            is_eagle=SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm).is_eagle(),
-            tp_cache_group=None,
-            attn_cp_cache_group=None,
-            attn_tp_cache_group=None,
-            pp_cache_group=None,
-            eviction_policy=get_memory().radix_eviction_policy,
-            eviction_policy_config=get_memory().radix_eviction_policy_config,
-            enable_session_radix_cache=get_memory().enable_session_radix_cache,
-            chunked_prefill_size=get_schedule().chunked_prefill_size,
-            sliding_window_size=model_config.sliding_window_size,
-            mtp_draft_device_pools=packed_drafts,
-        )
-        worker = WorkerStandIn()
-        context = TreeCacheBuildContext(
-            server_args=args,
-            params=params,
-            is_hybrid_swa=model_config.is_hybrid_swa,
-            is_hybrid_ssm=uses_ssm_state(model_config),
-            enable_hierarchical_cache=get_memory().enable_hierarchical_cache,
-            disable_radix_cache=get_memory().disable_radix_cache,
-            tp_worker=worker,
-            model_config=model_config,
-            tp_size=get_parallel().tp_size,
-            tp_rank=get_parallel().tp_rank,
-            tp_group=None,
-            full_tokens_per_layer=target.full_max_total_num_tokens,
-        )
-        with auto_size_hicache(params, draft_plan, enabled=get_memory().enable_hierarchical_cache):
-            tree = create_tree_cache(context)
-            if draft_plan is not None:
-                maybe_register_hicache_draft(tree_cache=tree, draft_plan=draft_plan)
-        # init_hicache registers the storage detach with atexit; the stack detaches on close instead.
-        atexit.unregister(tree.shutdown)
-        exit_stack.callback(tree.release_host_resources)
-        if tree.enable_storage:  # its threads stop before the host pools go
-            exit_stack.callback(tree.shutdown)
-        assert type(tree).__name__ == "UnifiedRadixCache", f"SGLang built {type(tree).__name__} for MiMo-V2-Flash"
-        assert worker.hicache_layer_transfer_counter is tree.cache_controller.layer_done_counter
+        tree, params = build_tree_cache(args, model_config, target, draft_plan, packed_drafts, exit_stack, "MiMo-V2-Flash")
         controller = tree.cache_controller
         stack = MimoStack(
             device=device,

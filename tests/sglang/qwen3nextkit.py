@@ -17,7 +17,6 @@ state layer is checked byte for byte, and every row outside the transfer untouch
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 from array import array
@@ -28,9 +27,9 @@ from typing import Any
 import torch
 from mimokit import (
     CpuKvcacheio,
-    WorkerStandIn,
     _without_host_registration,
     _without_triton_warmup,
+    build_tree_cache,
     hicache_draft_plan,
     kv_cache_configurator,
     poll,
@@ -206,12 +205,7 @@ def build_stack(workdir: Path, layout: str, io: str, *, mtp: bool = False, insta
     SGLang's own, moved by torch stand-ins for its kernels.  `storage`: ServerArgs fields of an L3 tier.
     """
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hicache_auto_size import auto_size_hicache
-    from sglang.srt.mem_cache.kv_cache_builder import maybe_register_hicache_draft, uses_ssm_state
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-    from sglang.srt.runtime_context import get_memory, get_parallel, get_schedule, get_spec, reset_context
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.runtime_context import get_memory, reset_context
 
     import portable_kv.engines.sglang as pk_sglang
 
@@ -240,27 +234,7 @@ def build_stack(workdir: Path, layout: str, io: str, *, mtp: bool = False, insta
             CpuMambaKvcacheio(*(layer for t in (cache.temporal, *cache.conv) for layer in t.unbind(0))).bind(exit_stack)
             _without_host_registration(exit_stack)
 
-        params = CacheInitParams(
-            disable=False, req_to_token_pool=target.req_to_token_pool, token_to_kv_pool_allocator=allocator, page_size=PAGE,
-            is_eagle=SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm).is_eagle(), tp_cache_group=None,
-            attn_cp_cache_group=None, attn_tp_cache_group=None, pp_cache_group=None, eviction_policy=get_memory().radix_eviction_policy,
-            eviction_policy_config=get_memory().radix_eviction_policy_config, chunked_prefill_size=get_schedule().chunked_prefill_size,
-            mtp_draft_device_pools=packed)
-        worker = WorkerStandIn()
-        context = TreeCacheBuildContext(
-            server_args=args, params=params, is_hybrid_swa=False, is_hybrid_ssm=uses_ssm_state(model_config),
-            enable_hierarchical_cache=get_memory().enable_hierarchical_cache, disable_radix_cache=get_memory().disable_radix_cache,
-            tp_worker=worker, model_config=model_config, tp_size=get_parallel().tp_size, tp_rank=get_parallel().tp_rank, tp_group=None,
-            full_tokens_per_layer=target.full_max_total_num_tokens)
-        with auto_size_hicache(params, draft_plan, enabled=True):
-            tree = create_tree_cache(context)
-            if draft_plan is not None:
-                maybe_register_hicache_draft(tree_cache=tree, draft_plan=draft_plan)
-        atexit.unregister(tree.shutdown)
-        exit_stack.callback(tree.release_host_resources)
-        if tree.enable_storage:
-            exit_stack.callback(tree.shutdown)
-        assert type(tree).__name__ == "UnifiedRadixCache", f"SGLang built {type(tree).__name__} for Qwen3-Next"
+        tree, _ = build_tree_cache(args, model_config, target, draft_plan, packed, exit_stack, "Qwen3-Next")
         return Qwen3NextStack(layout=get_memory().hicache_mem_layout, io=get_memory().hicache_io_backend, mtp=mtp, installed=installed,
                               model_config=model_config, kvcache=kvcache, mamba_pool=mamba_pool, drafts=drafts, allocator=allocator,
                               req_to_token_pool=target.req_to_token_pool, tree=tree, controller=tree.cache_controller,

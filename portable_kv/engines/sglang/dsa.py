@@ -17,8 +17,6 @@ constructor never runs.  This module imports sglang.
 
 from __future__ import annotations
 
-import inspect
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,9 +26,8 @@ from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 
 from ...allocator import PageRunAllocator
 from .mla import SGLangMLAHostPool
-from .slots import SlotRows, SlotRowsHostPool
-
-logger = logging.getLogger(__name__)
+from .pool import fallback_builder
+from .slots import HostSlots, SlotRows, SlotRowsHostPool
 
 
 def indexer_unsupported_reason(decl: Any, anchor_host: Any, is_dummy: bool = False) -> str | None:
@@ -49,7 +46,7 @@ def indexer_unsupported_reason(decl: Any, anchor_host: Any, is_dummy: bool = Fal
     return None
 
 
-class SGLangDSAIndexerHostPool(DSAIndexerPoolHost):
+class SGLangDSAIndexerHostPool(HostSlots, DSAIndexerPoolHost):
     """DSA index keys in host memory, one row per page of the anchor MLA pool, in its layout.
 
     `index_k_with_scale_buffer` is SGLang's shape, (layers, pages, row)
@@ -96,6 +93,7 @@ class SGLangDSAIndexerHostPool(DSAIndexerPoolHost):
         self.index_k_with_scale_buffer = (host.view(self.layer_num, self.indexer_page_num, width) if self.layout == "layer_first"
                                           else host.view(self.indexer_page_num, self.layer_num, 1, width))
         self.index_k_data_refs = [self.index_k_with_scale_buffer[i] for i in range(self.layer_num)] if self.layout == "layer_first" else []
+        # The anchor's token slots (HostSlots): SGLang's group hands this pool the anchor's slots.
         self._slots = PageRunAllocator(self.size, self.page_size)
         self.lock = threading.RLock()
 
@@ -127,20 +125,6 @@ class SGLangDSAIndexerHostPool(DSAIndexerPoolHost):
     def init_kv_buffer(self) -> torch.Tensor:
         """The host buffer, allocated at construction."""
         return self.index_k_with_scale_buffer
-
-    # -- slots (the anchor's: SGLang's group hands this pool the anchor's slots) --------
-
-    def clear(self) -> None:
-        self._slots.clear()
-
-    def available_size(self) -> int:
-        return self._slots.available_size()
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        return self._slots.alloc(need_size)
-
-    def free(self, indices: torch.Tensor) -> int:
-        return self._slots.free(indices)
 
     # -- transfers as SGLang calls them ------------------------------------------------
 
@@ -198,20 +182,11 @@ class SGLangDSAIndexerHostPool(DSAIndexerPoolHost):
         self.index_k_data_refs = []
 
 
-_PARAMETERS = inspect.signature(SGLangDSAIndexerHostPool.__init__)
-
-
 def host_pool_builder(sglang_class: type) -> Callable[..., Any]:
     """What install() binds as SGLang's `DSAIndexerPoolHost`: portable_kv's indexer pool, or
     SGLang's own class (with a log line) for arguments `indexer_unsupported_reason` names."""
 
-    def build_indexer_host_pool(decl: Any, anchor_host: Any, *args: Any, **kwargs: Any) -> Any:
-        given = _PARAMETERS.bind_partial(None, decl, anchor_host, *args, **kwargs).arguments
-        reason = indexer_unsupported_reason(decl, anchor_host, given.get("is_dummy", False))
-        if reason:
-            logger.info("portable_kv: SGLang's own DSA indexer host pool (%s)", reason)
-            return sglang_class(decl, anchor_host, *args, **kwargs)
-        return SGLangDSAIndexerHostPool(decl, anchor_host, *args, **kwargs)
+    def reason(given: dict[str, Any]) -> str | None:
+        return indexer_unsupported_reason(given["decl"], given["anchor_host"], given.get("is_dummy", False))
 
-    build_indexer_host_pool.sglang_class = sglang_class
-    return build_indexer_host_pool
+    return fallback_builder(SGLangDSAIndexerHostPool, sglang_class, reason, "DSA indexer host pool")

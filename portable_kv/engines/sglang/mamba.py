@@ -16,7 +16,6 @@ Mamba branch; SGLang's constructor never runs.  This module imports sglang.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import threading
@@ -29,7 +28,8 @@ from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
 from ...allocator import PageRunAllocator
 from ...host_memory import check_available
-from .slots import SlotRows, SlotRowsHostPool, contiguous_slots
+from .pool import fallback_builder
+from .slots import HostSlots, SlotRows, SlotRowsHostPool, contiguous_slots
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def state_unsupported_reason(buffer_info: Any, layout: str = "page_first_direct"
     return None
 
 
-class SGLangStateHostPool(MambaPoolHost):
+class SGLangStateHostPool(HostSlots, MambaPoolHost):
     """Recurrent state checkpoints in host memory, one slot per request checkpoint, each state tensor a `SlotRowsHostPool`.
 
     Sized as SGLang sizes its Mamba pool (``int(device_capacity * ratio)``
@@ -132,7 +132,7 @@ class SGLangStateHostPool(MambaPoolHost):
                                 else torch.empty((self.size, layers, 1, *self.temporal_state_shape), dtype=self.temporal_dtype))
         self.conv_buffer = [next(host).view(self.size, layers, 1, *shape) for shape in self.conv_state_shapes]
         self.kv_buffer = [buffer for buffer in (self.temporal_buffer, *self.conv_buffer) if buffer.numel()]
-        self._slots = PageRunAllocator(self.size, 1)
+        self._slots = PageRunAllocator(self.size, 1)  # one state slot a page (HostSlots)
         self._destroyed = False
         self.lock = threading.RLock()
 
@@ -158,21 +158,6 @@ class SGLangStateHostPool(MambaPoolHost):
     def init_kv_buffer(self) -> list[torch.Tensor]:
         """The host buffers, allocated at construction."""
         return self.kv_buffer
-
-    # -- slots --------------------------------------------------------------------------
-
-    def clear(self) -> None:
-        self._slots.clear()
-
-    def available_size(self) -> int:
-        return self._slots.available_size()
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        """`need_size` free state slots as a CPU int64 tensor, or None."""
-        return self._slots.alloc(need_size)
-
-    def free(self, indices: torch.Tensor) -> int:
-        return self._slots.free(indices)
 
     # -- sizes --------------------------------------------------------------------------
 
@@ -258,20 +243,11 @@ def _check_draft(depth: int, target: MambaStateBufferInfo, draft: MambaStateBuff
                              f"got {tuple(theirs.shape[1:])} {theirs.dtype} on {theirs.device}")
 
 
-_PARAMETERS = inspect.signature(SGLangStateHostPool.__init__)
-
-
 def host_pool_builder(sglang_class: type) -> Callable[..., Any]:
     """What install() binds as the assembler's `MambaPoolHost`: portable_kv's state pool, or
     SGLang's own class (with a log line) for arguments `state_unsupported_reason` names."""
 
-    def build_state_host_pool(buffer_info: Any, *args: Any, **kwargs: Any) -> Any:
-        given = _PARAMETERS.bind_partial(None, buffer_info, *args, **kwargs).arguments
-        reason = state_unsupported_reason(buffer_info, given.get("layout", "layer_first"), tuple(given.get("mtp_draft_buffer_infos", ())))
-        if reason:
-            logger.info("portable_kv: SGLang's own Mamba host pool (%s)", reason)
-            return sglang_class(buffer_info, *args, **kwargs)
-        return SGLangStateHostPool(buffer_info, *args, **kwargs)
+    def reason(given: dict[str, Any]) -> str | None:
+        return state_unsupported_reason(given["buffer_info"], given.get("layout", "layer_first"), tuple(given.get("mtp_draft_buffer_infos", ())))
 
-    build_state_host_pool.sglang_class = sglang_class
-    return build_state_host_pool
+    return fallback_builder(SGLangStateHostPool, sglang_class, reason, "Mamba host pool")

@@ -13,8 +13,6 @@ loads it when `install()` runs.
 
 from __future__ import annotations
 
-import inspect
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,9 +23,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation, MLATokenToKVPo
 
 from ...device_pool import MLADevicePool
 from ...mla import MLAHostPool
-from .pool import SGLangPool, check_layer_bounds
-
-logger = logging.getLogger(__name__)
+from .pool import SGLangPool, check_layer_bounds, fallback_builder
 
 # SGLang's MLA layouts that stay SGLang's: page_unified (no SGLang transfer moves it)
 # and page_first_kv_split (Ascend NPUs' split latent and indexer buffers).
@@ -144,21 +140,12 @@ class SGLangMLAHostPool(SGLangPool, MLAHostPool, MLATokenToKVPoolHost):
         return [refs[i].data_ptr() for i in layers], [buffer[i].nbytes for i in layers], [self.token_stride_size * self.page_size] * self.layer_num
 
 
-_PARAMETERS = inspect.signature(SGLangMLAHostPool.__init__)
-
-
 def host_pool_builder(sglang_class: type) -> Callable[..., Any]:
     """What install() binds as the assembler's `MLATokenToKVPoolHost`: portable_kv's pool, or
     SGLang's own class (with a log line) for arguments `mla_unsupported_reason` names."""
 
-    def build_mla_host_pool(buffer_info: Any, *args: Any, **kwargs: Any) -> Any:
-        given = _PARAMETERS.bind_partial(None, buffer_info, *args, **kwargs).arguments
-        reason = mla_unsupported_reason(buffer_info, given.get("layout", ""), tuple(given.get("draft_buffer_infos", ())),
-                                        given.get("dcp_size", 1), given.get("layer_shard_enabled", False))
-        if reason:
-            logger.info("portable_kv: SGLang's own MLA host pool (%s)", reason)
-            return sglang_class(buffer_info, *args, **kwargs)
-        return SGLangMLAHostPool(buffer_info, *args, **kwargs)
+    def reason(given: dict[str, Any]) -> str | None:
+        return mla_unsupported_reason(given["buffer_info"], given.get("layout", ""), tuple(given.get("draft_buffer_infos", ())),
+                                      given.get("dcp_size", 1), given.get("layer_shard_enabled", False))
 
-    build_mla_host_pool.sglang_class = sglang_class
-    return build_mla_host_pool
+    return fallback_builder(SGLangMLAHostPool, sglang_class, reason, "MLA host pool")

@@ -11,7 +11,9 @@ moves its buffers, named by the kind.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +51,25 @@ def check_layer_bounds(start_layer: Any, end_layer: Any) -> None:
     for name, value in (("start_layer", start_layer), ("end_layer", end_layer)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name}: expected an int, got {value!r}")
+
+
+def fallback_builder(pool_class: type, sglang_class: type, reason: Callable[[dict[str, Any]], str | None], what: str) -> Callable[..., Any]:
+    """What install() binds in place of one of SGLang's host-pool classes: a callable that builds
+    `pool_class` (portable_kv's), or `sglang_class` with a log line on `pool_class`'s module logger
+    for arguments `reason` names.  `reason` reads the arguments as bound to `pool_class`'s
+    constructor, by parameter name, those left to their defaults absent."""
+    parameters = inspect.signature(pool_class.__init__)
+    logger = logging.getLogger(pool_class.__module__)
+
+    def build_host_pool(*args: Any, **kwargs: Any) -> Any:
+        why = reason(parameters.bind_partial(None, *args, **kwargs).arguments)
+        if why:
+            logger.info("portable_kv: SGLang's own %s (%s)", what, why)
+            return sglang_class(*args, **kwargs)
+        return pool_class(*args, **kwargs)
+
+    build_host_pool.sglang_class = sglang_class
+    return build_host_pool
 
 
 class SGLangPool:

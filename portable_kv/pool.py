@@ -105,7 +105,7 @@ class HostPool(PageAccess, SGLangSurface):
         self.closed = False
         self._validator = IndexValidator(self.size, self.page_size, self.layout, self.validate)
         self._binding: Binding | None = None
-        self._io = IoContext(self.backend.device, self.backend.mover)
+        self._io_context = IoContext(self.backend.device, self.backend.mover)
         self._host_writes = 0  # backups issued so far (Transfer.host_writes)
         self._mover(self.io_backend)
         self._init_allocator()
@@ -153,17 +153,17 @@ class HostPool(PageAccess, SGLangSurface):
     @property
     def _movers(self) -> dict[str, Mover]:
         """This pool's movers made so far, by io path."""
-        return self._io.movers
+        return self._io_context.movers
 
     def _mover(self, io: str) -> Mover:
         """This pool's mover for an io path: made once, owning the pool's launch caches."""
-        return self._io.mover(io)
+        return self._io_context.mover(io)
 
     def stats(self) -> dict[str, Any]:
         """What this pool did (docs/API.md): per direction and io path, calls, bytes and the
         caller's seconds in them; the path each delegating io path took, how often and why;
         the last error a transfer call raised."""
-        return self._io.stats.as_dict()
+        return self._io_context.stats.as_dict()
 
     def prepare(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
                 io_backend: str | None = None) -> PreparedTransfer:
@@ -178,7 +178,7 @@ class HostPool(PageAccess, SGLangSurface):
             binding = self._bind(device_pool, range(self.layer_num))
             return PreparedTransfer(self, binding.pairs, binding.geometry.tokens, host_indices, device_indices, io)
         except (ValueError, TypeError) as exc:
-            self._io.stats.error(exc)
+            self._io_context.stats.error(exc)
             raise
 
     def _run(self, plan: PreparedTransfer, to_device: bool, layers: range) -> None:
@@ -189,13 +189,13 @@ class HostPool(PageAccess, SGLangSurface):
         if not to_device:
             self._host_writes += 1
         transfer = plan.transfer(to_device, layers, self._host_writes)
-        mover = self._io.movers[plan.io]
+        mover = self._io_context.movers[plan.io]
         mover.move(transfer)
         self._record(mover, plan.io, to_device, plan.nbytes_per_layer * len(layers), started)
 
     def _record(self, mover: Mover, io: str, to_device: bool, nbytes: int, started: float) -> None:
         taken = getattr(mover, "last_choice", None) or getattr(mover, "last_path", None)
-        self._io.stats.record(to_device, io, nbytes, time.perf_counter() - started, taken, getattr(mover, "last_reason", ""))
+        self._io_context.stats.record(to_device, io, nbytes, time.perf_counter() - started, taken, getattr(mover, "last_reason", ""))
 
     # -- transfers (docs/API.md) ---------------------------------------------------------
 
@@ -227,7 +227,7 @@ class HostPool(PageAccess, SGLangSurface):
         if self.closed:
             raise ValueError("host pool: the pool is closed")
         io = self.io_backend if io_backend is None else io_backend
-        mover = self._io.movers.get(io) if type(io) is str else None
+        mover = self._io_context.movers.get(io) if type(io) is str else None
         try:
             if mover is None:
                 self._check_reads(self._check_io(io_backend))
@@ -241,7 +241,7 @@ class HostPool(PageAccess, SGLangSurface):
             transfer = Transfer(to_device, binding.pairs, indices, layers, self.page_size, self._host_writes)
             mover.move(transfer)
         except (ValueError, TypeError, RuntimeError) as exc:
-            self._io.stats.error(exc)
+            self._io_context.stats.error(exc)
             raise
         self._record(mover, io, to_device, transfer.bytes, started)
 
@@ -310,7 +310,7 @@ class HostPool(PageAccess, SGLangSurface):
         if self.closed:
             return
         self.backend.synchronize()
-        self._io.close()
+        self._io_context.close()
         self._memory.release()
         self.closed = True
         for name in self.kind.buffers:

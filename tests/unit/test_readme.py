@@ -89,7 +89,7 @@ def test_path_finder_sees_paths_and_skips_the_outside():
 # The set-up block the README opens with: the main job, then the tests.
 SETUP = """```bash
 python3 -m pip install torch==2.13.0 -e ".[triton]" && portable-kv check   # the main job, on whatever hardware is here
-python3 -m pip install tox && tox -e cpu                                    # the tests (CI runs this, then tox -e lint,sglang)
+python3 -m pip install tox && tox -e cpu                                    # the tests (CI runs this, then lint, sglang, vllm)
 ```"""
 README_MAX_LINES = 200
 RESULTS_MAX_FILES = 12

@@ -146,7 +146,8 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       all) step bench; bench "${BENCH_TIMEOUT:-420}" $BENCH --json "$OUT/bench.json" --plot "$OUT/bench.png" --markdown "$OUT/bench.md" \
              > "$OUT/bench.txt" 2>&1; status=$?
            tail -n 40 "$OUT/bench.txt" | tee -a "$LOG" ;;
-      *) status="unknown section (host-cost, staged, engine, all)" ;;
+      *) step "$section"; bench "${SECTION_TIMEOUT:-240}" --section "$section" $BENCH --json "$OUT/$section.json" > "$OUT/$section.txt" 2>&1; status=$?
+         grep -vE "^\[bench\]" "$OUT/$section.txt" | tail -n 40 | tee -a "$LOG" ;;
     esac
     echo "bench $section: exit status $status, $((SECONDS - started)) s" | tee -a "$LOG"
   done

@@ -33,6 +33,9 @@ SECTIONS: dict[str, Section] = {
     "engine": Section("a cache-hit prefill of MiMo-V2-Flash as SGLang runs it (per-layer loads beside the forward's matmuls) per "
                       "io path, against the forward alone, the loads alone, recomputing and its bound; MiMo's own geometry and "
                       "the first --page-size", "engine:measure", table="engine_report:table", markdown="engine_report:markdown"),
+    "state": Section("a Qwen3-Next request's recurrent state (36 Gated DeltaNet layers, 75 MiB a request) loaded per layer and "
+                     "backed up through the state pools SGLang's Mamba host tier gets, per io path, beside SGLang's JIT Mamba kernels",
+                     "state:measure"),
     "vllm": Section("stores and loads of vLLM 0.33.0's KV blocks (Llama-3-8B, DeepSeek-V3; per-layer and cross-layer tensors; 1 and 16 "
                     "blocks a chunk) through the vLLM spec's host tier per io path, beside vLLM's batched memcpy and Triton swap kernel",
                     "vllm:measure"),

@@ -19,14 +19,31 @@ import torch
 
 from .. import backends
 from ..engines.sglang.slots import SlotRows, SlotRowsHostPool
+from .context import Context
 from .measure import Clock, gbps
 from .rows import Row
 
-SECTION = "staged"
+SECTION = "state"
+IO_PATHS = ("kernel", "bulk", "direct", "auto")
 LINEAR_LAYERS = 36
 TEMPORAL = ((32, 128, 128), torch.float32)
 CONV = ((2 * 16 * 128 + 32 * 128, 3), torch.bfloat16)
 MAMBA_OPS = "sglang.kernels.ops.mamba.transfer_mamba"
+
+
+def measure(ctx: Context) -> list[Row]:
+    """Each io path's rows, then SGLang's JIT Mamba kernels' (once); a few layers and requests on the CPU."""
+    layers, requests = (LINEAR_LAYERS, 8) if ctx.gpu else (2, 2)
+    rows: list[Row] = []
+    ctx.progress.expect(len(IO_PATHS))
+    for io in IO_PATHS:
+        got = state_rows(backends.current().name, layers=layers, requests=requests, io=io, reps=ctx.reps)
+        rows += [row for row in got if "SGLang" not in row.name or io == IO_PATHS[0]]
+        ctx.progress.done(f"state: {requests} requests' recurrent state, {layers} layers, io {io}")
+    for row in rows:
+        if row.direction in ctx.ceil and row.gbps:
+            row.pct_ceiling = 100 * row.gbps / ctx.ceil[row.direction]
+    return rows
 
 
 def state_rows(backend: str, *, layers: int = LINEAR_LAYERS, requests: int = 8, io: str | None = None, reps: int = 10) -> list[Row]:

@@ -15,8 +15,12 @@ AUTO_MIN_BYTES = 4 << 20
 # unlike separate copies, follow one another with no gap); smaller ones cost host time.
 DIRECT_MIN_COPY_BYTES = 512 << 10
 # ... and where the bulk path is offered, direct also needs few copies: the driver's time per
-# descriptor is the caller's time, which the bulk path does not spend (docs/DESIGN.md).
+# descriptor is the caller's time, which the bulk path does not spend (docs/DESIGN.md) ...
 DIRECT_MAX_COPIES_BESIDE_BULK = 32
+# ... or copies this large, where that time is small beside each copy's own at the link and the
+# copy engines move more than the bulk path's few blocks (H200, vLLM's cross-layer blocks of
+# 1.1-2 MiB: direct 92-96% of the link, bulk 59-79%, with more host time from its longer plan).
+DIRECT_MIN_COPY_BYTES_BESIDE_BULK = 1 << 20
 
 
 class AutoMover(Mover):
@@ -28,8 +32,8 @@ class AutoMover(Mover):
        kernel path is one launch;
     2. the direct plan's copies (runs consecutive on both sides) average at least
        DIRECT_MIN_COPY_BYTES (and, where `bulk` is offered, number at most
-       DIRECT_MAX_COPIES_BESIDE_BULK): `direct`, the copy engines straight between the pools,
-       no SM and no staging;
+       DIRECT_MAX_COPIES_BESIDE_BULK or average DIRECT_MIN_COPY_BYTES_BESIDE_BULK): `direct`,
+       the copy engines straight between the pools, no SM and no staging;
     3. where the backend offers `bulk` and its plan carries the transfer (16-byte aligned
        rows): `bulk`, a few blocks beside the model, a launch's host time a call;
     4. where `rule` says staging carries the transfer and `auto` stages it (on GPUs:
@@ -72,8 +76,9 @@ class AutoMover(Mover):
             sizes = run_offsets(transfer.indices, pair, transfer.page_size)[2]
             descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
         bulk = "bulk" in self.movers and why_not_bulk(transfer) is None
-        long_runs = descriptors and nbytes / descriptors >= DIRECT_MIN_COPY_BYTES
-        if long_runs and (not bulk or descriptors <= DIRECT_MAX_COPIES_BESIDE_BULK):
+        average = nbytes / descriptors if descriptors else 0
+        if average >= DIRECT_MIN_COPY_BYTES and (not bulk or descriptors <= DIRECT_MAX_COPIES_BESIDE_BULK
+                                                 or average >= DIRECT_MIN_COPY_BYTES_BESIDE_BULK):
             return "direct", f"{descriptors} copies of {nbytes // descriptors >> 10} KiB on average: the copy engines, no SM"
         if bulk:
             return "bulk", "a few blocks beside the model, one launch a call"

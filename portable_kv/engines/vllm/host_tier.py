@@ -193,6 +193,11 @@ class HostTier:
             else:
                 host.backup_from_device_per_layer(device, tokens, blocks, layer, io_backend=io)
 
+    def stats(self) -> list[dict]:
+        """Each host pool's `stats()` (one pool per page size): calls, bytes and the caller's time per
+        direction and io path, the paths `auto` took and why, the last error."""
+        return [host.stats() for host in self.hosts]
+
     def close(self) -> None:
         """Release the host memory after the transfers already enqueued."""
         for host in self.hosts:

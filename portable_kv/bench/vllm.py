@@ -107,7 +107,9 @@ def _peers(ctx: Context, backend: Any, tensors, views, gpu_blocks, chunks, per_c
         seconds, host_s = ctx.clock.time(lambda b=batch: engine.memcpy_batch(b, engine.current_stream()), ctx.reps)
         rows.append(row("peer: batched memcpy, a descriptor a block", direction, seconds, host_s, descriptors=len(batch)))
     swap = _vllm_triton_swap() if ctx.gpu and backend.vendor == "nvidia" else None
-    if swap is not None and all(p % 8 == 0 for p in pages):
+    if isinstance(swap, str):
+        rows.append(Row("vllm", "peer: vLLM's Triton swap kernel", "-", extra={"skipped": swap}))
+    elif swap is not None and all(p % 8 == 0 for p in pages):
         kernel, threshold = swap
         batch = _descriptors(tensors, views, gpu_blocks, chunks, per_chunk, pages, True)
         src, dst, sizes = (torch.from_numpy(a.view(np.int64)).pin_memory() for a in (batch.src, batch.dst, batch.sizes))
@@ -117,10 +119,10 @@ def _peers(ctx: Context, backend: Any, tensors, views, gpu_blocks, chunks, per_c
     return rows
 
 
-def _vllm_triton_swap() -> tuple[Any, int] | None:
-    """vLLM's Triton `swap_blocks_batch` and the page size under which vLLM picks it, where vllm imports."""
+def _vllm_triton_swap() -> tuple[Any, int] | str:
+    """vLLM's Triton `swap_blocks_batch` and the page size under which vLLM picks it, or why it does not import here."""
     try:
         from vllm.v1.kv_offload.cpu.swap_blocks_triton import THRESHOLD_BYTES, swap_blocks_batch
-    except Exception:  # noqa: BLE001 -- vllm absent or its compiled ops missing: the row is left out
-        return None
+    except Exception as exc:  # noqa: BLE001 -- vllm absent or its compiled ops missing: a row says so
+        return f"vllm.v1.kv_offload.cpu.swap_blocks_triton does not import here: {type(exc).__name__}: {exc}"
     return swap_blocks_batch, THRESHOLD_BYTES

@@ -9,8 +9,9 @@ blocks at random places in the device cache, through
 `portable_kv.engines.vllm.HostTier` (what the spec's worker calls) on each io
 path the backend offers, and beside it what vLLM does: one batched memcpy with
 a descriptor per block and tensor (`swap_blocks_batch`, cuMemcpyBatchAsync),
-and for loads vLLM's Triton swap kernel where vllm imports; against the
-ceiling of the same run.  On the cpu backend the sizes are tiny and the rows a
+and for loads vLLM's Triton swap kernel where vllm imports; on a GPU also a
+store and a load of other blocks at once, on two streams, each path and the
+memcpy (against the both-ways ceiling); against the ceiling of the same run.  On the cpu backend the sizes are tiny and the rows a
 smoke test.
 """
 
@@ -28,7 +29,7 @@ from ..io.engine import CopyBatch
 from .context import Context
 from .measure import gbps
 from .rows import Row
-from .sections import percent
+from .sections import percent, timed_pair
 
 BLOCK_TOKENS = 16
 # (name, layers, bytes of one layer's page of a 16-token block): K and V of 8 heads x 128 in bf16;
@@ -60,8 +61,10 @@ def _case(ctx: Context, backend: Any, label: str, pages: list[int], per_chunk: i
     kv = SimpleNamespace(tensors=[SimpleNamespace(tensor=t, page_size_bytes=p) for t, p in zip(tensors, pages)],
                          group_data_refs=[[SimpleNamespace(tensor_idx=i, page_size_bytes=p, mapping=None) for i, p in enumerate(pages)]])
     rng = np.random.default_rng(0)
-    gpu_blocks = rng.permutation(num_blocks)[:blocks].astype(np.int64)
-    chunks = rng.permutation(2 * blocks // per_chunk)[: blocks // per_chunk].astype(np.int64)
+    order = rng.permutation(num_blocks).astype(np.int64)
+    gpu_blocks, other_blocks = order[:blocks], order[blocks : 2 * blocks]  # the store's; a load's at the same time
+    chunk_order = rng.permutation(2 * blocks // per_chunk).astype(np.int64)
+    chunks, other_chunks = chunk_order[: blocks // per_chunk], chunk_order[blocks // per_chunk :]
     nbytes = blocks * sum(pages)
     extra = {"blocks_per_chunk": per_chunk, "tensors": len(pages), "block_bytes": sum(pages)}
     rows: list[Row] = []
@@ -81,6 +84,18 @@ def _case(ctx: Context, backend: Any, label: str, pages: list[int], per_chunk: i
                 rows.append(row(f"portable_kv {io}", direction, seconds, host_s, io=io))
         views = [tier.chunk_view(t) for t in range(len(tensors))]
         rows += _peers(ctx, backend, tensors, views, gpu_blocks, chunks, per_chunk, pages, row)
+        if ctx.gpu:
+            # A store and a load of other blocks at once, each on a stream of its own (as vLLM's worker runs them).
+            load_moves = tier.plan(other_blocks, [blocks], [0], other_chunks)
+            store_batch = _descriptors(tensors, views, gpu_blocks, chunks, per_chunk, pages, False)
+            load_batch = _descriptors(tensors, views, other_blocks, other_chunks, per_chunk, pages, True)
+            pairs = {f"portable_kv {io}": (lambda i=io: tier.move(load_moves, True, i), lambda i=io: tier.move(moves, False, i)) for io in ios}
+            pairs["peer: batched memcpy, a descriptor a block"] = (
+                lambda: backend.engine.memcpy_batch(load_batch, backend.engine.current_stream()),
+                lambda: backend.engine.memcpy_batch(store_batch, backend.engine.current_stream()))
+            for name, (load, store) in pairs.items():
+                up, down, span = timed_pair(load, store, ctx.reps)
+                rows.append(row(f"{name} store + load at once", "both", span / 2, 0.0, h2d_gbps=gbps(nbytes, up), d2h_gbps=gbps(nbytes, down)))
     finally:
         tier.close()
     return rows

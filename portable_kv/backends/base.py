@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..io.auto import AutoMover
-from ..io.context import IoContext
+from ..io.context import IoContext, IoSettings
 from ..io.engine import CopyEngine
 from ..io.mover import Mover, MoverFactory
 from ..io.staged import StagedMover
@@ -55,14 +55,16 @@ class Backend(ABC):
         raise NotImplementedError(f"backend {self.name!r} has no bulk io path")
 
     @abstractmethod
-    def staging_mover(self) -> Mover:
-        """A new mover of the copy kernel between a staging slot and the KV buffers (staged io)."""
+    def staging_mover(self, blocks: int) -> Mover:
+        """A new mover of the copy kernel between a staging slot and the KV buffers (staged io),
+        at `blocks` blocks where the kernel has a quota."""
 
     def movers(self, context: IoContext | None = None) -> dict[str, MoverFactory]:
         """io name -> a factory of new movers; a new io path is one more entry.  With a pool's
         `context`, a path that delegates is given the pool's own movers of the paths it
         delegates to (one staging allocation, one record of staged backups per pool)."""
         engine = self.engine
+        settings = context.settings if context is not None else IoSettings.read()
 
         def part(io: str, new: MoverFactory) -> MoverFactory:
             return new if context is None else (lambda: context.mover(io))
@@ -70,7 +72,7 @@ class Backend(ABC):
         kernel, direct = part("kernel", self.kernel_mover), part("direct", engine.direct_mover)
 
         def staged() -> StagedMover:
-            return StagedMover(engine, self.staging_mover(), kernel)
+            return StagedMover(engine, self.staging_mover(settings.staging_blocks), kernel, settings.staging_bytes)
 
         def bulk() -> Mover:
             return self.bulk_mover(kernel)

@@ -68,7 +68,7 @@ class CpuBackend(Backend):
     def kernel_mover(self) -> Mover:
         return IndexingMover()
 
-    def staging_mover(self) -> Mover:
+    def staging_mover(self, blocks: int) -> Mover:
         return IndexingMover()
 
     @property

@@ -13,7 +13,7 @@ from ..io.bulk import BulkMover
 from ..io.kernel import KernelMover
 from ..io.kernel_args import LayerTables
 from ..io.mover import Mover, MoverFactory
-from ..io.staged import LAUNCHES_KEPT, staging_blocks
+from ..io.staged import LAUNCHES_KEPT
 from .base import Backend, BackendUnavailable
 from .runtime import DeviceRuntime
 
@@ -62,10 +62,10 @@ class GpuBackend(Backend):
     def bulk_mover(self, fallback: MoverFactory) -> Mover:
         return BulkMover(self, fallback, blocks=self.runtime.bulk_blocks)
 
-    def staging_mover(self) -> Mover:
+    def staging_mover(self, blocks: int) -> Mover:
         # Its device-side writes streamed: cached ones slowed the copy engine's next writes
         # into staging (kv_copy.h, `stream_device`).
-        return KernelMover(self, staging_blocks(), stream_device=True, kept=LAUNCHES_KEPT)
+        return KernelMover(self, blocks, stream_device=True, kept=LAUNCHES_KEPT)
 
     def kernels(self) -> dict[int, int]:
         """The copy kernel's entry point per access width, built or found once."""

@@ -152,7 +152,7 @@ class TritonBackend(Backend):
     def kernel_mover(self) -> Mover:
         return TritonMover(self)
 
-    def staging_mover(self) -> Mover:
+    def staging_mover(self, blocks: int) -> Mover:
         return TritonMover(self)
 
     def describe(self) -> dict[str, str]:

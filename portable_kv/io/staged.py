@@ -33,7 +33,6 @@ import threading
 from dataclasses import replace
 from typing import Any
 
-from .. import config
 from ..transfer import Transfer
 from . import staged_plan
 from .engine import CopyEngine
@@ -41,17 +40,8 @@ from .mover import Mover, MoverFactory, share_flag
 from .staged_plan import EVERY_PLAN, LINK_RULE, StagingRule
 from .staging import Prepared, Slot
 
-# Blocks of the kernel between staging and the KV buffers (PORTABLE_KV_STAGING_BLOCKS): it
-# works in device memory, where a few blocks keep several times what one copy engine
-# drains from PCIe in flight; the model keeps the other SMs.
-STAGING_BLOCKS = int(config.STAGING_BLOCKS.default or 8)
 LAUNCHES_KEPT = 128  # the staging kernel's prepared launches: one per chunk (a large backup has ~30), a few plans
 _NO_PLAN: Any = object()  # a kept answer: staging cannot carry this transfer
-
-
-def staging_blocks() -> int:
-    """The staging kernel's block quota: PORTABLE_KV_STAGING_BLOCKS, else STAGING_BLOCKS."""
-    return config.STAGING_BLOCKS.integer(minimum=1) or STAGING_BLOCKS
 
 
 class StagedMover(Mover):
@@ -62,12 +52,12 @@ class StagedMover(Mover):
     Falls back to the kernel path (`fallback`) where its rule says staging does not carry
     a transfer well, where staging cannot carry it at all (indices not whole pages in a
     page layout, a slot too small for one page), and where an index is outside a pool.
-    Staging memory: `staging_bytes` per direction (PORTABLE_KV_STAGING_BYTES), two slots
+    Staging memory: `staging_bytes` per direction (the pool's PORTABLE_KV_STAGING_BYTES), two slots
     each, allocated at first use, released by close()."""
 
     io = "staged"
 
-    def __init__(self, engine: CopyEngine, kernel: Mover, fallback: MoverFactory) -> None:
+    def __init__(self, engine: CopyEngine, kernel: Mover, fallback: MoverFactory, staging_bytes: int) -> None:
         super().__init__(engine.device)
         self.device, self.engine = engine.device, engine
         # Staging indices are inside the pools by construction: the kernel keeps a flag of
@@ -79,7 +69,7 @@ class StagedMover(Mover):
         self.streams = engine.streams()
         # On a CPU device the path is a model, run call by call, staging whatever it can.
         self.rule: StagingRule = EVERY_PLAN if self.device.type == "cpu" else LINK_RULE
-        self.staging_bytes: int = config.STAGING_BYTES.integer(minimum=1) or 0
+        self.staging_bytes = staging_bytes  # 0: staging's own default
         self._slots: dict[bool, list[Slot]] = {}
         self._turn = {True: 0, False: 0}  # the slot each direction's next chunk takes
         # (pool backups, current stream, copy stream) when a load's copies last waited for

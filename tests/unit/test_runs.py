@@ -19,7 +19,7 @@ import portable_kv as pk
 from portable_kv import backends
 from portable_kv.backends import cuda, rocm
 from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError
-from portable_kv.io import auto, staged
+from portable_kv.io import auto, context, staged
 from portable_kv.io import kernel_args as ka
 from portable_kv.io import staged_plan as runs
 from portable_kv.io.streams import InlineStreams
@@ -208,7 +208,7 @@ def test_staged_on_the_simulated_gpu_runs_the_kernel_arguments_and_2d_copies(sim
             host.load_to_device_per_layer(dev, host_idx, dev_idx, layer)
             assert torch.equal(bits(dev.k_buffer[layer][dev_idx]), expect_k), f"{layout} layer {layer}"
         assert simulated.runtime.copies_2d, "the host side moved by 2-D copies"
-        assert {grid for _, grid, _ in simulated.runtime.launches} <= set(range(1, staged.STAGING_BLOCKS + 1))
+        assert {grid for _, grid, _ in simulated.runtime.launches} <= set(range(1, context.STAGING_BLOCKS + 1))
         host.close()
 
 
@@ -245,7 +245,7 @@ def test_rocm_staged_issues_2d_copies_then_the_kernel_and_mirrored(fake_rocm, mo
     assert (width, height, spitch, dpitch, kind, stream) == (P * 4 * 192 * 2, 2, page, P * 4 * 192 * 2, MEMCPY_DEFAULT, STREAM)
     launch = [args for name, args in lib.calls if name == "hipModuleLaunchKernel"][0]
     args = ka.CopyArgs.from_address(ctypes.c_void_p.from_address(launch[9]).value)
-    assert launch[1] <= staged.STAGING_BLOCKS and launch[8] == STREAM
+    assert launch[1] <= context.STAGING_BLOCKS and launch[8] == STREAM
     assert (args.tokens, args.layer_begin, args.to_device, args.job[0].host_layer, args.job[0].host_base) == (2 * P, 2, 1, 0, dst)
     assert args.stream_device == 1, "the staged kernel streams its device-side writes"
     lib.calls.clear()
@@ -613,3 +613,34 @@ def test_a_pools_paths_share_one_mover_of_each_path(cpu_backend):
     assert len(flags) == 1, "one bad-index flag per pool"
     host.close()
     assert host._movers == {}
+
+
+def test_a_pool_keeps_the_io_settings_read_when_it_was_built(cpu_backend, monkeypatch):
+    """Staging size and blocks are read once, into the pool's io context: a path first used
+    after the environment changed still takes the pool's values; a new pool takes the new ones."""
+    P = 4
+    dev = pk.DeviceKVPool(2, 32 * P, P, 2, 24, 16, dtype=torch.bfloat16)
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(1 << 20))
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BLOCKS", "3")
+    built = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="kernel")
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(2 << 20))
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BLOCKS", "5")
+    later = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="kernel")
+    try:
+        assert built._mover("staged").staging_bytes == 1 << 20 and built._mover("auto").movers["staged"].staging_bytes == 1 << 20
+        assert later._mover("staged").staging_bytes == 2 << 20
+        assert (built._io_context.settings.staging_blocks, later._io_context.settings.staging_blocks) == (3, 5)
+    finally:
+        built.close()
+        later.close()
+
+
+def test_the_simulated_gpus_staging_kernel_takes_the_pools_blocks(simulated, monkeypatch):
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BLOCKS", "3")
+    dev = pk.DeviceKVPool(2, 32 * 4, 4, 2, 24, 16, dtype=torch.bfloat16)
+    host = pk.AsymmetricHostPool(dev, layout="layer_first", io_backend="staged")
+    monkeypatch.setenv("PORTABLE_KV_STAGING_BLOCKS", "7")
+    try:
+        assert host._mover("staged").kernel.block_quota == 3
+    finally:
+        host.close()

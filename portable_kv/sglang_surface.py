@@ -95,12 +95,14 @@ class SGLangSurface:
     # -- physical transfer entry points --------------------------------------------------
 
     def prepare_transfer_indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices for one submission, unchanged: slots here are physical.
+        """The pool's own copies of one submission's indices (slots here are physical).
 
-        The same tensor objects go back, so the per-layer calls that follow
-        find them in the pool's validated-index cache (no second validation).
-        """
-        return host_indices, device_indices
+        SGLang's transfer engine calls this once per submission and passes what it
+        returns to every call of that submission; SGLang's contract is that they stay
+        unchanged through it.  As the pool's copies they are: the calls that follow
+        validate them once and then find them by identity, with no comparison of
+        values and in inference mode too (validation.py)."""
+        return self._validator.stable_copies(host_indices, device_indices)
 
     def backup_from_device_all_layer_physical(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
         """`backup_from_device_all_layer`, under the name SGLang's transfer engine calls."""

@@ -7,11 +7,14 @@ their version counters.  Version counters miss writes made through `.numpy()`,
 the values, compared on every reuse: what moves is always what was validated.
 GPU-resident indices are not compared (that would be a device round trip per
 call): an engine that rewrites them in place behind torch's back must pass a new
-tensor (docs/API.md, Guarantees).
+tensor (docs/API.md, Guarantees).  Indices the pool copied for one submission of
+SGLang's (`stable_copies`) are its own, which nobody writes: they are found again
+by identity alone, with no comparison, in inference mode too.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -114,6 +117,25 @@ class IndexValidator:
         # kernels bound-check them.
         self.read_gpu_indices = True
         self._kept: IdentityCache[IndexPair] = IdentityCache(VALIDATED_KEPT)
+        # The copies `stable_copies` handed out (the pool's own, never written after), by id;
+        # each entry goes with its tensor.  Not a WeakSet: that compares tensors with ==.
+        self._stable: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def stable_copies(self, host_indices: Any, device_indices: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense int64 copies of a submission's indices, on their devices (a GPU copy ordered on
+        the current stream), that the pool owns: its calls with them are validated once and then
+        found by identity alone.  Refuses what is not an index tensor, as a transfer would."""
+        host = _owned_int64(index_tensor("host_indices", host_indices))
+        dev = _owned_int64(index_tensor("device_indices", device_indices))
+        stable = self._stable
+        for copy in (host, dev):
+            key = id(copy)
+            stable[key] = weakref.ref(copy, lambda _, key=key: stable.pop(key, None))
+        return host, dev
+
+    def _is_stable(self, indices: Any) -> bool:
+        ref = self._stable.get(id(indices))
+        return ref is not None and ref() is indices
 
     def __call__(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
         # The direction is part of the key, not only of the stamp: a load and a backup of
@@ -121,7 +143,8 @@ class IndexValidator:
         tensors = (host_indices, device_indices, _DIRECTIONS[to_device])
         if type(host_indices) is torch.Tensor and type(device_indices) is torch.Tensor:
             kept = self._kept.lookup(tensors, _stamp(host_indices, device_indices, device_tokens, to_device))
-            if kept is not None and kept.unchanged(host_indices, device_indices) and _reusable(host_indices) and _reusable(device_indices):
+            if kept is not None and (self._is_stable(host_indices) and self._is_stable(device_indices)
+                                     or kept.unchanged(host_indices, device_indices) and _reusable(host_indices) and _reusable(device_indices)):
                 return kept
         pair = self._validate(host_indices, device_indices, device_tokens, to_device)  # refuses what is not a tensor
         return self._kept.store(tensors, pair, _stamp(host_indices, device_indices, device_tokens, to_device))
@@ -135,6 +158,8 @@ class IndexValidator:
         dev = index_tensor("device_indices", device_indices)
         if host.numel() != dev.numel():
             raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
+        if self._is_stable(host) and self._is_stable(dev):
+            return self._validate_stable(host, dev, device_tokens, to_device)
         host = _owned_int64(host)
         if (dev.device.type != "cpu" or host.device.type != "cpu") and not self.read_gpu_indices:
             # Reading GPU-resident indices would block the host until the current stream
@@ -159,6 +184,24 @@ class IndexValidator:
             self._check(host_np, "host_indices", self.host_tokens, unique=not to_device)
             self._check(dev_np, "device_indices", device_tokens, unique=to_device)
         self.validations += 1
+        return pair
+
+    def _validate_stable(self, host: torch.Tensor, dev: torch.Tensor, device_tokens: int, to_device: bool) -> IndexPair:
+        """The pool's own copies: no copy and no snapshot; checked as any pair, GPU-resident
+        ones where the pool reads them on the host."""
+        self.validations += 1
+        if (dev.device.type != "cpu" or host.device.type != "cpu") and not self.read_gpu_indices:
+            if self.validate:
+                for values, name, limit, unique in ((host, "host_indices", self.host_tokens, not to_device),
+                                                    (dev, "device_indices", device_tokens, to_device)):
+                    if values.device.type == "cpu":
+                        self._check(values.numpy(), name, limit, unique)
+            return IndexPair(host, dev, host_readable=False)
+        pair = IndexPair(host, dev if dev.device == host.device else dev.to(host.device))
+        if self.validate:
+            host_np, dev_np = pair.numpy()
+            self._check(host_np, "host_indices", self.host_tokens, unique=not to_device)
+            self._check(dev_np, "device_indices", device_tokens, unique=to_device)
         return pair
 
     def _check(self, values: np.ndarray, name: str, limit: int, unique: bool) -> None:

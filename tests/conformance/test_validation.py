@@ -215,3 +215,38 @@ def test_sparse_indices_refused_by_name(pools):
     dev, host = pools
     h, d = ok_indices()
     rejected(dev, host, TypeError, "host_indices.*dense", lambda: host.load_to_device_per_layer(dev, h.to_sparse(), d, 0))
+
+
+def test_a_submissions_indices_are_the_pools_copies_validated_once(pools, backend, monkeypatch):
+    """SGLang's transfer engine calls prepare_transfer_indices once per submission and passes what
+    it returns to every call of it: the pool's own copies, validated once, found again with no
+    comparison of values (in inference mode too), unmoved by later writes to the caller's tensors."""
+    dev, host = pools
+    from portable_kv import indices as indices_module
+
+    with torch.inference_mode():
+        h, d = ok_indices()
+    sub_h, sub_d = host.prepare_transfer_indices(h, d.to(dev.device), "kernel")
+    assert sub_h is not h and sub_h.dtype == torch.int64 and torch.equal(sub_h, h)
+    with torch.inference_mode():
+        h += 60  # the caller's tensor, after the hook: not what the submission moves
+    compared = []
+    monkeypatch.setattr(indices_module, "_same_values", lambda *a: compared.append(a) or True)
+    before = host._validator.validations
+    for layer in range(dev.layer_num):
+        host.load_to_device_per_layer_physical(dev, sub_h, sub_d, layer, host.io_backend)
+    backend.synchronize()
+    assert host._validator.validations == before + 1 and compared == []
+    name = BUFFERS[kind_of(dev)][0]
+    for layer in range(dev.layer_num):
+        expected = torch.stack([host_row(host_buffers(host)[0], host.layout, P, t, layer) for t in sub_h.tolist()])
+        assert torch.equal(bits(getattr(dev, name)[layer][sub_d.cpu()]), bits(expected))
+
+
+def test_a_submissions_bad_indices_are_refused_by_name(pools):
+    dev, host = pools
+    h, d = ok_indices()
+    with pytest.raises(TypeError, match="host_indices"):
+        host.prepare_transfer_indices(h.float(), d, "kernel")
+    sub_h, sub_d = host.prepare_transfer_indices(h + 60, d, "kernel")
+    rejected(dev, host, ValueError, "host_indices.*< 64", lambda: host.load_to_device_per_layer_physical(dev, sub_h, sub_d, 0, "kernel"))

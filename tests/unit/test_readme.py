@@ -235,6 +235,32 @@ def options_tables(page64: dict, staged: dict, engine_md: str) -> str:
     return "\n".join(lines)
 
 
+def vllm_table(data: dict) -> str:
+    """The vLLM section's % of the ceiling, store / load, per path and blocks of a transfer."""
+    paths = ("kernel", "bulk", "direct", "staged", "auto", "peer")
+    cells: dict[str, dict[str, dict[str, float]]] = {}
+    for row in data["rows"]:
+        name = row["name"]
+        if row["section"] != "vllm" or row["direction"] not in ("h2d", "d2h") or "at once" in name:
+            continue
+        case, path = name.split(" portable_kv ") if " portable_kv " in name else (name.split(" peer: ")[0], "peer")
+        cells.setdefault(case, {}).setdefault(path, {})[row["direction"]] = row["pct_ceiling"]
+    lines = ["| blocks, chunk | kernel | bulk | direct | staged | auto | peer: batched memcpy |", "|---|---|---|---|---|---|---|"]
+    for case, by_path in cells.items():
+        lines.append(f"| {case} | " + " | ".join(f"{by_path[p]['d2h']:.0f} / {by_path[p]['h2d']:.0f}" for p in paths) + " |")
+    return "\n".join(lines)
+
+
+def state_table(data: dict) -> str:
+    """The state section's GB/s and % of the ceiling per io path, load and backup."""
+    rows = {(r["extra"]["io"], r["direction"]): r for r in data["rows"] if r["section"] == "state" and r["direction"] in ("h2d", "d2h")}
+    lines = ["| io | load GB/s (% ceiling) | backup GB/s (% ceiling) |", "|---|---|---|"]
+    for io in dict.fromkeys(io for io, _ in rows):
+        load, backup = rows[io, "h2d"], rows[io, "d2h"]
+        lines.append(f"| {io} | {load['gbps']:.1f} ({load['pct_ceiling']:.1f}%) | {backup['gbps']:.1f} ({backup['pct_ceiling']:.1f}%) |")
+    return "\n".join(lines)
+
+
 def host_time_quotes(host_cost: str) -> str:
     """The kernel path's host time of a per-layer load back to back, as every doc quotes it."""
     value = re.search(r"^host_cost\s+cuda per-layer load, kernel io\s+h2d\s+\d+\s+-\s+-\s+([\d.]+)", host_cost, re.M)
@@ -245,11 +271,14 @@ def host_time_quotes(host_cost: str) -> str:
 def generated_tables() -> dict[str, str]:
     return {"staged": staged_tables(json.loads((RESULTS / "staged.json").read_text())),
             "host cost": host_cost_table((RESULTS / "host_cost.txt").read_text()),
+            "vllm": vllm_table(json.loads((RESULTS / "engines.json").read_text())["vllm"]),
+            "state": state_table(json.loads((RESULTS / "engines.json").read_text())["state"]),
             "options": options_tables(json.loads((RESULTS / "staged_page64.json").read_text()), json.loads((RESULTS / "staged.json").read_text()),
                                       (RESULTS / "engine.md").read_text())}
 
 
-@pytest.mark.parametrize("name, doc", [("staged", "PERFORMANCE.md"), ("host cost", "PERFORMANCE.md"), ("options", "OPTIONS.md")])
+@pytest.mark.parametrize("name, doc", [("staged", "PERFORMANCE.md"), ("host cost", "PERFORMANCE.md"), ("vllm", "PERFORMANCE.md"),
+                                       ("state", "PERFORMANCE.md"), ("options", "OPTIONS.md")])
 def test_performance_tables_are_generated_from_the_results(name, doc):
     table = generated_tables()[name]
     assert table in (ROOT / "docs" / doc).read_text(), (

@@ -39,3 +39,28 @@ def test_the_peer_descriptors_are_vllms_block_copies():
         tokens = view.view(-1, 64)
         assert torch.equal(tokens[[8, 9, 10, 11, 0, 1, 2, 3]], tensor[blocks])
         assert not tokens[4:8].any()  # chunk 1 named by no transfer
+
+
+def test_the_store_and_load_at_once_rows_run_their_own_blocks(monkeypatch):
+    """The GPU-only rows of a store and a load at once, their two streams stood in for by running
+    one after the other on the cpu backend: a row per path and one for the memcpy, each pair run."""
+    from types import SimpleNamespace
+
+    from portable_kv import backends
+    from portable_kv.bench.measure import Clock
+
+    pairs = []
+
+    def one_after_the_other(load, store, reps=7):
+        pairs.append((load, store))
+        load()
+        store()
+        return 1e-3, 1e-3, 2e-3
+
+    monkeypatch.setattr(bench_vllm, "timed_pair", one_after_the_other)
+    backend = backends.use("cpu")
+    ctx = SimpleNamespace(gpu=True, reps=2, ceil={"h2d": 1.0, "d2h": 1.0, "both": 2.0}, clock=Clock(backend.device))
+    rows = bench_vllm._case(ctx, backend, "tiny", [64, 64], per_chunk=4, blocks=8)
+    at_once = [r for r in rows if "at once" in r.name]
+    assert len(at_once) == len(backend.io_backends) + 1 == len(pairs)
+    assert all(r.direction == "both" and r.extra["h2d_gbps"] > 0 and r.extra["d2h_gbps"] > 0 for r in at_once)

@@ -136,7 +136,7 @@ class Setting:
 BACKEND = Setting("PORTABLE_KV_BACKEND", None, "backend to bind at first use: cuda, rocm, triton or cpu (default: detected)",
                   _choice(BACKEND_NAMES))
 BLOCKS = Setting("PORTABLE_KV_BLOCKS", None, "block quota of the kernel io path (default: 16 on NVIDIA, 32 on AMD)", _integer(1))
-DMA_STREAMS = Setting("PORTABLE_KV_DMA_STREAMS", "4", "streams one direct-io transfer of short copies is spread over, one copy engine each (copies of 1 MiB and more on average: one call on the caller's stream)", _integer(1))
+DMA_STREAMS = Setting("PORTABLE_KV_DMA_STREAMS", "4", "streams one direct-io transfer of short copies is spread over, one copy engine each (on NVIDIA copies of 1 MiB and more on average: one call on the caller's stream)", _integer(1))
 CACHE = Setting("PORTABLE_KV_CACHE", None, "directory of compiled kernels (default: $XDG_CACHE_HOME/portable_kv or ~/.cache/portable_kv)")
 PREBUILT = Setting("PORTABLE_KV_PREBUILT", None, "extra directory searched first for ahead-of-time code objects")
 HOST_RESERVE = Setting("PORTABLE_KV_HOST_RESERVE", str(2 << 30), "bytes of host memory a new pool leaves free for the OS and the engine",

@@ -89,6 +89,7 @@ class SimulatedRuntime(DeviceRuntime):
     batch_min_version = 0
     bulk_threads = 32
     bulk_blocks = 4
+    one_call_copy_bytes = 1 << 20  # as cuda's
 
     def __init__(self) -> None:
         self.launches: list[tuple[int, int, int]] = []  # (width or BULK_ENTRY, grid, block)

@@ -72,6 +72,11 @@ class CudaRuntime(DeviceRuntime):
     batch_min_version = BATCH_MIN_VERSION
     bulk_threads = 32  # one warp drives a block's bulk copies (kernels_cuda/kv_copy.cu)
     bulk_blocks = 4  # io/bulk.py: BULK_BLOCKS, measured
+    # Copies of 1 MiB and more on average go out as one batched call (io/direct.py): on the
+    # H200, vLLM's cross-layer blocks (128 copies of 1.1-2 MiB) moved at 97-98% of the link
+    # that way and at 86-92% over 4 streams, with 70-120 against 500-700 us of the caller's
+    # time (docs/PERFORMANCE.md, "vLLM's blocks through the offloading spec").
+    one_call_copy_bytes = 1 << 20
 
     def __init__(self, device_index: int = 0, lib: Any = None) -> None:
         super().__init__(lib if lib is not None else runtime_library(), device_index)

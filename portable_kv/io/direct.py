@@ -6,8 +6,9 @@ the same offsets inside the kernel; here, like there, a token whose index is
 outside either pool is left out (an engine that skips validation must not get a
 wild copy) and flagged.  A transfer's short copies go out as one batched call per
 stream over `dma_streams` side streams, so that several copy engines work at once;
-long ones as one batched call on the current stream, as one copy engine keeps the
-link busy with them and the other streams' events and calls only cost the caller.
+on NVIDIA long ones (`engine.one_call_copy_bytes`) as one batched call on the current
+stream, as one copy engine keeps the link busy with them and the other streams'
+events and calls only cost the caller.
 """
 
 from __future__ import annotations
@@ -18,12 +19,6 @@ from ..indices import IndexPair
 from ..transfer import TensorPair, Transfer
 from .engine import CopyBatch, CopyEngine
 from .mover import Mover
-
-# Copies this long on average go out as one batched call: on the H200, vLLM's cross-layer
-# blocks (128 copies of 1.1-2 MiB) moved at 97-98% of the link that way and at 86-92% over
-# 4 streams, with 70-120 against 500-700 us of the caller's time; one stream's bulk copy is
-# the link's ceiling (docs/PERFORMANCE.md, "vLLM's blocks through the offloading spec").
-ONE_CALL_MIN_COPY_BYTES = 1 << 20
 
 
 class DirectMover(Mover):
@@ -46,7 +41,8 @@ class DirectMover(Mover):
             return
         streams = self.streams
         current = streams.current()
-        long_copies = int(batch.sizes.sum()) >= ONE_CALL_MIN_COPY_BYTES * len(batch)
+        one_call = self.engine.one_call_copy_bytes
+        long_copies = one_call is not None and int(batch.sizes.sum()) >= one_call * len(batch)
         pieces = [batch] if long_copies else split_even(batch, self.engine.dma_streams)
         if len(pieces) == 1 and streams.handle(current) != 0:
             self.engine.memcpy_batch(batch, streams.handle(current))

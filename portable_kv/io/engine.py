@@ -40,6 +40,9 @@ class CopyEngine(ABC):
 
     device: torch.device
     dma_streams: int  # streams one direct-io transfer is spread over, a copy engine each
+    # From this average copy length a transfer goes out as one call on the caller's stream
+    # (io/direct.py); None: always spread over `dma_streams`.
+    one_call_copy_bytes: int | None = None
 
     @abstractmethod
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:

@@ -644,3 +644,22 @@ def test_the_simulated_gpus_staging_kernel_takes_the_pools_blocks(simulated, mon
         assert host._mover("staged").kernel.block_quota == 3
     finally:
         host.close()
+
+
+@pytest.mark.parametrize("row_dim, calls", [(4096, 1), (16, 4)], ids=["long copies: one call", "short copies: four streams"])
+def test_direct_sends_long_copies_as_one_call_and_spreads_short_ones(simulated, monkeypatch, row_dim, calls):
+    """Copies of 1 MiB and more on average go out as one batched call on NVIDIA's runtime (the
+    simulated GPU's, as cuda's); short ones over the engine's 4 streams; both bit-exact."""
+    made = []
+    batch_call = type(simulated.runtime).batch_call
+    monkeypatch.setattr(type(simulated.runtime), "batch_call", lambda self, batch, stream: made.append(len(batch)) or batch_call(self, batch, stream))
+    P = 64
+    dev = pk.MLADevicePool(1, 64 * P, P, row_dim, dtype=torch.float32)  # a page of a layer: 1 MiB at 4096 floats, 4 KiB at 16
+    host = pk.MLAHostPool(dev, layout="page_first_direct", io_backend="direct")
+    randomize(dev.kv_buffer[0], torch.Generator().manual_seed(2))
+    host_pages, dev_pages = torch.tensor([3, 9, 1, 20, 7, 12, 30, 5]), torch.tensor([8, 2, 40, 11, 0, 33, 6, 17])
+    host.backup_from_device_all_layer(dev, page_tokens(host_pages, P), page_tokens(dev_pages, P))
+    assert len(made) == calls and sum(made) == 8
+    for h, d in zip(host_pages.tolist(), dev_pages.tolist()):
+        assert torch.equal(bits(host.kv_buffer[h, 0]), bits(dev.kv_buffer[0][d * P:(d + 1) * P]))  # (page, layer, P, 1, dim)
+    host.close()

@@ -69,6 +69,11 @@ def check_unique(name: str, values: np.ndarray) -> None:
         raise ValueError(f"{name}: expected distinct destination slots, got duplicates (two writes to one slot race)")
 
 
+def _as_owned(t: torch.Tensor) -> torch.Tensor:
+    """Indices the pool already owns (stable_copies): dense int64 that nobody writes."""
+    return t
+
+
 def _owned_int64(t: torch.Tensor) -> torch.Tensor:
     """A contiguous int64 copy the caller cannot change: kernels read data_ptr() as a dense array,
     so a strided or expanded view would be read wrongly, and a later in-place write would
@@ -158,9 +163,15 @@ class IndexValidator:
         dev = index_tensor("device_indices", device_indices)
         if host.numel() != dev.numel():
             raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
-        if self._is_stable(host) and self._is_stable(dev):
-            return self._validate_stable(host, dev, device_tokens, to_device)
-        host = _owned_int64(host)
+        # The pool's own copies (stable_copies) are neither copied again nor snapshotted:
+        # nobody writes them.
+        stable = self._is_stable(host) and self._is_stable(dev)
+        own = _as_owned if stable else _owned_int64
+
+        def snapshots() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            return (None, None) if stable else (_snapshot(host_indices, host), _snapshot(device_indices, dev))
+
+        host = own(host)
         if (dev.device.type != "cpu" or host.device.type != "cpu") and not self.read_gpu_indices:
             # Reading GPU-resident indices would block the host until the current stream
             # reaches this call (an engine's load stream waits for its model stream): the
@@ -169,39 +180,21 @@ class IndexValidator:
             if self.validate and host.device.type == "cpu":
                 self._check(host.numpy(), "host_indices", self.host_tokens, unique=not to_device)
             if dev.device.type == "cpu":
-                dev = _owned_int64(dev)  # checked and kept as one copy, as below
+                dev = own(dev)  # checked and kept as one copy, as below
                 if self.validate:
                     self._check(dev.numpy(), "device_indices", device_tokens, unique=to_device)
             self.validations += 1
-            return IndexPair(host, dev, (_snapshot(host_indices, host), _snapshot(device_indices, dev)), host_readable=False)
-        dev = _owned_int64(dev)
-        snapshots = _snapshot(host_indices, host), _snapshot(device_indices, dev)
+            return IndexPair(host, dev, snapshots(), host_readable=False)
+        dev = own(dev)
+        kept_values = snapshots()
         if dev.device != host.device:
             dev = dev.to(host.device)
-        pair = IndexPair(host, dev, snapshots)
+        pair = IndexPair(host, dev, kept_values)
         if self.validate:
             host_np, dev_np = pair.numpy()  # GPU-resident indices: one copy, after the stream that produced them
             self._check(host_np, "host_indices", self.host_tokens, unique=not to_device)
             self._check(dev_np, "device_indices", device_tokens, unique=to_device)
         self.validations += 1
-        return pair
-
-    def _validate_stable(self, host: torch.Tensor, dev: torch.Tensor, device_tokens: int, to_device: bool) -> IndexPair:
-        """The pool's own copies: no copy and no snapshot; checked as any pair, GPU-resident
-        ones where the pool reads them on the host."""
-        self.validations += 1
-        if (dev.device.type != "cpu" or host.device.type != "cpu") and not self.read_gpu_indices:
-            if self.validate:
-                for values, name, limit, unique in ((host, "host_indices", self.host_tokens, not to_device),
-                                                    (dev, "device_indices", device_tokens, to_device)):
-                    if values.device.type == "cpu":
-                        self._check(values.numpy(), name, limit, unique)
-            return IndexPair(host, dev, host_readable=False)
-        pair = IndexPair(host, dev if dev.device == host.device else dev.to(host.device))
-        if self.validate:
-            host_np, dev_np = pair.numpy()
-            self._check(host_np, "host_indices", self.host_tokens, unique=not to_device)
-            self._check(dev_np, "device_indices", device_tokens, unique=to_device)
         return pair
 
     def _check(self, values: np.ndarray, name: str, limit: int, unique: bool) -> None:

@@ -31,7 +31,6 @@ import portable_kv as pk
 
 from .. import backends
 from ..allocator import FreeListAllocator, PageRunAllocator, churn_run_lengths, page_runs
-from ..io.context import IoSettings
 from .context import Context
 from .io_paths import AutoWatch, io_paths
 from .measure import Clock, gbps
@@ -231,7 +230,8 @@ def _with_sms(row: Row, backend: Any, host: pk.AsymmetricHostPool | pk.MLAHostPo
         if taken == "staged" and mover is not None:
             taken = row.extra["staged_took"] = getattr(mover, "last_path", taken)
     if gpu:
-        row.grid = {"kernel": getattr(backend, "block_quota", 0), "staged": IoSettings.read().staging_blocks}.get(taken, 0)
+        staging_blocks = host._io_context.settings.staging_blocks  # noqa: SLF001 -- the staged kernel's quota, as the pool read it
+        row.grid = {"kernel": getattr(backend, "block_quota", 0), "staged": staging_blocks}.get(taken, 0)
         row.extra["sms"] = row.grid
     return row
 

@@ -22,6 +22,7 @@ from ..engines.sglang.slots import SlotRows, SlotRowsHostPool
 from .context import Context
 from .measure import Clock, gbps
 from .rows import Row
+from .sections import percent
 
 SECTION = "state"
 IO_PATHS = ("kernel", "bulk", "direct", "auto")
@@ -37,18 +38,17 @@ def measure(ctx: Context) -> list[Row]:
     rows: list[Row] = []
     ctx.progress.expect(len(IO_PATHS))
     for io in IO_PATHS:
-        got = state_rows(backends.current().name, layers=layers, requests=requests, io=io, reps=ctx.reps)
-        rows += [row for row in got if "SGLang" not in row.name or io == IO_PATHS[0]]
+        rows += state_rows(backends.current().name, layers=layers, requests=requests, io=io, reps=ctx.reps, peers=io == IO_PATHS[0])
         ctx.progress.done(f"state: {requests} requests' recurrent state, {layers} layers, io {io}")
     for row in rows:
-        if row.direction in ctx.ceil and row.gbps:
-            row.pct_ceiling = 100 * row.gbps / ctx.ceil[row.direction]
+        row.pct_ceiling = percent(row.gbps, ctx.ceil, row.direction)
     return rows
 
 
-def state_rows(backend: str, *, layers: int = LINEAR_LAYERS, requests: int = 8, io: str | None = None, reps: int = 10) -> list[Row]:
+def state_rows(backend: str, *, layers: int = LINEAR_LAYERS, requests: int = 8, io: str | None = None, reps: int = 10,
+               peers: bool = True) -> list[Row]:
     """Rows of GB/s for `requests` requests' state load (H2D) and backup (D2H) on `backend`, with bytes moved,
-    and SGLang's JIT Mamba kernels' rows beside them (or one row saying why they cannot run here)."""
+    and with `peers` SGLang's JIT Mamba kernels' rows beside them (or one row saying why they cannot run here)."""
     previous = backends.current().name
     backend_obj = backends.use(backend)
     try:
@@ -77,7 +77,8 @@ def state_rows(backend: str, *, layers: int = LINEAR_LAYERS, requests: int = 8, 
             extra = {"bytes": nbytes, "bytes_per_request": nbytes // requests, "requests": requests, "layers": layers, "io": path}
             out = [_row(f"state load ({path})", "h2d", clock, load, nbytes, reps, extra),
                    _row(f"state backup ({path})", "d2h", clock, backup, nbytes, reps, extra)]
-            out += _sglang_rows(clock, states, pools, host.to(device), dev, nbytes, reps, extra)
+            if peers:
+                out += _sglang_rows(clock, states, pools, host.to(device), dev, nbytes, reps, extra)
             return out
         finally:
             for pool in pools:

@@ -44,12 +44,12 @@ class DirectMover(Mover):
         one_call = self.engine.one_call_copy_bytes
         long_copies = one_call is not None and int(batch.sizes.sum()) >= one_call * len(batch)
         pieces = [batch] if long_copies else split_even(batch, self.engine.dma_streams)
-        if len(pieces) == 1 and streams.handle(current) != 0:
-            self.engine.memcpy_batch(batch, streams.handle(current))
-            return
         # The current stream takes a piece where it can; side streams the rest (all of it on
         # the legacy default stream), and only those are ordered around it.
         on_current = streams.handle(current) != 0
+        if len(pieces) == 1 and on_current:
+            self.engine.memcpy_batch(batch, streams.handle(current))
+            return
         side = streams.side(current, len(pieces) - on_current)
         streams.fork(current, side)
         on = ([current] if on_current else []) + list(side)

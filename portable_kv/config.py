@@ -6,7 +6,9 @@ table.  A value is validated wherever it is read: a malformed one raises
 `ConfigError` naming the variable and what it takes.  `check_all()` validates
 every setting at once, so that an entry point (`portable-kv check`,
 `portable_kv.sglang.install()`) fails at its start rather than at the first
-read deep inside a pool; `states()` reports each one for `portable-kv info`.
+read deep inside a pool; binding a backend checks the io settings
+(`IO_SETTINGS`) whatever the backend; `states()` reports each one for
+`portable-kv info`.
 
 This module imports nothing of the package: it is the lowest layer.
 """
@@ -14,7 +16,7 @@ This module imports nothing of the package: it is the lowest layer.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -159,6 +161,10 @@ DEBUG = Setting("PORTABLE_KV_DEBUG", "0", "1: the command line shows full traceb
 
 SETTINGS = (BACKEND, BLOCKS, DMA_STREAMS, STAGING_BYTES, STAGING_BLOCKS, CACHE, PREBUILT, HOST_RESERVE, CLANG, HIP_BITCODE, SGLANG, SGLANG_IO,
             LOG_LEVEL, DEBUG)
+# What a backend and its io paths read: refused when any backend is bound, the cpu
+# backend included, although it reads none of them, so that a value that would be
+# refused on a GPU is not accepted silently on the CPU.
+IO_SETTINGS = (BLOCKS, DMA_STREAMS, STAGING_BYTES, STAGING_BLOCKS)
 # Triton's own switch (Triton reads it too): it decides whether the triton backend
 # runs on the CPU; not a PORTABLE_KV_* setting, so not in SETTINGS' table.
 TRITON_INTERPRET = Setting("TRITON_INTERPRET", "0", "1: Triton kernels run on the CPU under Triton's interpreter")
@@ -191,11 +197,17 @@ def states(arguments: Mapping[str, str] | None = None) -> list[SettingState]:
     return found
 
 
+def check(settings: Iterable[Setting]) -> None:
+    """Raise ConfigError for the first of `settings` whose value cannot be used, naming the variable and what it takes."""
+    for setting in settings:
+        problem = setting.problem()
+        if problem:
+            raise ConfigError(f"{setting.name}: {problem}")
+
+
 def check_all() -> None:
-    """Raise ConfigError for the first setting whose value cannot be used, naming the variable and what it takes."""
-    for state in states():
-        if state.problem:
-            raise ConfigError(f"{state.name}: {state.problem}")
+    """check() of every setting."""
+    check(SETTINGS)
 
 
 def block_quota(vendor: str) -> int:

@@ -78,8 +78,10 @@ def detect() -> str:
 
 
 def use(name: str) -> Backend:
-    """Rebind the process's backend; ValueError for an unknown or unusable name."""
+    """Rebind the process's backend; ValueError for an unknown or unusable name, ConfigError
+    for a malformed io setting (config.IO_SETTINGS), whichever backend reads it."""
     global _current
+    config.check(config.IO_SETTINGS)
     _current = get(name)
     return _current
 
@@ -96,6 +98,8 @@ def _bind_at_first_use() -> None:
     name = detect()
     try:
         use(name)
+    except config.ConfigError:
+        raise  # the setting names itself: neither the backend it was read for nor a fallback is the cause
     except ValueError as exc:
         if config.BACKEND.raw():
             raise ValueError(f"{ENV_VAR}={name}: {exc}") from None

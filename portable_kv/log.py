@@ -1,10 +1,13 @@
 """The package's logger, `portable_kv`, and the lines it logs.
 
 Its level comes from PORTABLE_KV_LOG_LEVEL (default WARNING), applied when the
-logger is first asked for.  A handler is added only where the application has
-configured none (neither on the root logger nor on this one): an engine that
-set up logging gets portable_kv's records through its own handlers, and a
-script that did not still sees them on stderr.
+package is imported where the variable is set (so that lines logged before any
+pool, SGLang's `install()` line among them, follow it), else when the logger is
+first asked for.  Where the variable is set, a stderr handler is added once,
+unless the logger has a handler of its own or the application's root handlers
+already show records of that level: an engine that set up logging gets
+portable_kv's records through its own handlers, once, and a script that did
+not sees them on stderr.
 """
 
 from __future__ import annotations
@@ -21,16 +24,22 @@ _configured = False
 
 def configure() -> logging.Logger:
     """Apply PORTABLE_KV_LOG_LEVEL to the package logger (a malformed value raises ConfigError),
-    and give it a stderr handler once, where the application configured none."""
+    and where the variable is set give the logger a stderr handler once, where nothing shows its records."""
     global _configured
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel((config.LOG_LEVEL.raw() or "WARNING").upper())
-    if not logger.handlers and not logging.getLogger().handlers:
+    if config.LOG_LEVEL.given() and not logger.handlers and not _shown_by_root(logger.level):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
         logger.addHandler(handler)
     _configured = True
     return logger
+
+
+def _shown_by_root(level: int) -> bool:
+    """Whether a root handler emits records of `level`: a NullHandler, or one set to a higher
+    level, leaves them unseen, and Python's last-resort handler shows only warnings."""
+    return any(not isinstance(handler, logging.NullHandler) and handler.level <= level for handler in logging.getLogger().handlers)
 
 
 def package_logger() -> logging.Logger:
@@ -54,3 +63,7 @@ def pool_line(pool: Any) -> str:
     return (f"{type(pool).__name__}: {pool.layer_num} layers, {', '.join(shapes)}, {pool.dtype}; "
             f"{pool.size} tokens in {pool.page_num} pages of {pool.page_size}; layout {pool.layout}, io {pool.io_backend}; "
             f"{nbytes / 2**20:.1f} MiB host memory, {memory}, {where} ({pool.placement.reason})")
+
+
+if config.LOG_LEVEL.given() and config.LOG_LEVEL.problem() is None:
+    configure()  # a malformed value is refused where it is read: at the first pool, or at check_all()

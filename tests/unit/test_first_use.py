@@ -4,10 +4,15 @@ show with the setting alone, errors that name what to change, and one compile pe
 from __future__ import annotations
 
 import importlib.util
+import io
+import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
-from portable_kv import backends, config
+from portable_kv import backends, config, log
 from portable_kv.config import ConfigError
 
 MALFORMED_IO_SETTINGS = [
@@ -58,3 +63,59 @@ def test_a_malformed_setting_under_the_triton_backend_names_itself_not_the_backe
     with pytest.raises(ConfigError) as raised:
         backends.current()
     assert str(raised.value) == "PORTABLE_KV_BLOCKS: expected an integer, got 'abc'"
+
+
+def python(script: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -c script` in a fresh process, with no PORTABLE_KV_* variable but `env`."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PORTABLE_KV_")} | env
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environ, timeout=300)
+
+
+BUILD_A_POOL = """
+import torch
+import portable_kv as pk
+dev = pk.DeviceKVPool(2, 64, 16, 2, 8, 4, dtype=torch.float16)
+pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="kernel").close()
+"""
+
+
+def test_the_log_level_setting_alone_shows_the_info_lines_on_stderr():
+    """SGLang's install() logs on its module's logger before any pool exists; both lines show, once each."""
+    script = ("import portable_kv.engines.sglang as glue\n"
+              "glue.logger.info(\"portable_kv: SGLang's HiCache builds portable_kv host pools\")\n" + BUILD_A_POOL)
+    run = python(script, PORTABLE_KV_LOG_LEVEL="INFO")
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.splitlines()
+    assert lines.count("portable_kv.engines.sglang INFO: portable_kv: SGLang's HiCache builds portable_kv host pools") == 1, run.stderr
+    assert len([line for line in lines if line.startswith("portable_kv INFO: AsymmetricHostPool: 2 layers")]) == 1, run.stderr
+    quiet = python(script)
+    assert quiet.returncode == 0 and "INFO" not in quiet.stderr, quiet.stderr
+
+
+@pytest.fixture
+def package_logger(clean_env):
+    logger = logging.getLogger(log.LOGGER_NAME)
+    level, handlers = logger.level, list(logger.handlers)
+    logger.handlers[:] = []
+    yield logger
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+@pytest.mark.parametrize("root_handler, added", [
+    (None, True),
+    (logging.NullHandler(), True),  # a library's "no output unless configured"
+    (logging.StreamHandler(io.StringIO()), False),  # the application shows them already: not twice
+])
+def test_the_log_level_setting_adds_a_stderr_handler_where_nothing_shows_its_records(clean_env, package_logger, root_handler, added):
+    clean_env.setattr(logging.getLogger(), "handlers", [root_handler] if root_handler else [])
+    clean_env.setenv("PORTABLE_KV_LOG_LEVEL", "INFO")
+    log.configure()
+    log.configure()
+    assert [type(h) for h in package_logger.handlers] == ([logging.StreamHandler] if added else [])
+
+
+def test_without_the_log_level_setting_no_handler_is_added(clean_env, package_logger):
+    clean_env.setattr(logging.getLogger(), "handlers", [])
+    log.configure()
+    assert package_logger.handlers == [] and package_logger.level == logging.WARNING

@@ -125,17 +125,6 @@ def test_a_malformed_level_is_a_config_error(clean_env, package_logger_restored)
         log.configure()
 
 
-def test_a_handler_is_added_only_where_the_application_configured_none(clean_env, package_logger_restored, monkeypatch):
-    package_logger_restored.handlers[:] = []
-    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
-    log.configure()
-    assert package_logger_restored.handlers == []  # the application's root handler gets the records
-    monkeypatch.setattr(logging.getLogger(), "handlers", [])
-    log.configure()
-    log.configure()
-    assert [type(h) for h in package_logger_restored.handlers] == [logging.StreamHandler]
-
-
 def test_pool_line_describes_an_mha_pool_as_built():
     dev = pk.DeviceKVPool(2, 64, 16, 2, 8, 4, v_heads=1, dtype=torch.float32)
     with pk.AsymmetricHostPool(dev, layout="page_head", io_backend="direct", host_to_device_ratio=2.0) as host:

@@ -42,7 +42,8 @@ def check_available(nbytes: int) -> None:
     if available is not None and nbytes > available - reserve:
         raise MemoryError(
             f"host pool: {nbytes / 1e9:.2f} GB requested but {available / 1e9:.2f} GB available "
-            f"with {reserve / 1e9:.2f} GB kept in reserve; lower host_size_gb or host_to_device_ratio"
+            f"with {reserve / 1e9:.2f} GB kept in reserve; lower host_size_gb or host_to_device_ratio, "
+            f"or the reserve ({config.HOST_RESERVE.name}, in bytes)"
         )
 
 

@@ -119,3 +119,19 @@ def test_without_the_log_level_setting_no_handler_is_added(clean_env, package_lo
     clean_env.setattr(logging.getLogger(), "handlers", [])
     log.configure()
     assert package_logger.handlers == [] and package_logger.level == logging.WARNING
+
+
+def test_too_large_a_host_reserve_is_named_as_what_to_lower(clean_env):
+    import torch
+
+    import portable_kv as pk
+    from portable_kv import host_memory
+
+    clean_env.setattr(host_memory, "_available_host_memory", lambda: 4 << 30)
+    clean_env.setenv("PORTABLE_KV_HOST_RESERVE", str(4 << 30))
+    dev = pk.DeviceKVPool(1, 32, 4, 1, 8, 8, dtype=torch.float16)
+    with pytest.raises(MemoryError) as raised:
+        pk.AsymmetricHostPool(dev, host_size_gb=0.5, io_backend="kernel")
+    message = str(raised.value)
+    assert "4.29 GB kept in reserve" in message and "or the reserve (PORTABLE_KV_HOST_RESERVE, in bytes)" in message, message
+    assert "\n" not in message

@@ -125,6 +125,7 @@ class PageAccess:
         if isinstance(indices, torch.Tensor):
             if indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
                 raise TypeError(f"indices: expected a 1-D integer tensor or a list of ints, got shape {tuple(indices.shape)} and dtype {indices.dtype}")
+            _check_has_data("indices", indices)
             tokens = indices.cpu().numpy().astype(np.int64)
         else:
             if indices is None or isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):

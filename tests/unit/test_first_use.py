@@ -135,3 +135,22 @@ def test_too_large_a_host_reserve_is_named_as_what_to_lower(clean_env):
     message = str(raised.value)
     assert "4.29 GB kept in reserve" in message and "or the reserve (PORTABLE_KV_HOST_RESERVE, in bytes)" in message, message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("call", ["get_page_buffer_meta", "get_split_heads_page_buffer_meta"])
+@pytest.mark.parametrize("indices", ["sparse", "meta"])
+def test_page_meta_calls_refuse_indices_without_dense_data_by_name(call, indices):
+    import torch
+
+    import portable_kv as pk
+
+    dev = pk.DeviceKVPool(1, 32, 4, 2, 8, 8, dtype=torch.float16)
+    with pk.AsymmetricHostPool(dev, layout="page_head", io_backend="kernel") as host:
+        tokens = torch.arange(8)
+        given = tokens.to_sparse() if indices == "sparse" else tokens.to("meta")
+        args = (given,) if call == "get_page_buffer_meta" else (given, 2)
+        with pytest.raises(TypeError) as raised:
+            getattr(host, call)(*args)
+        expected = "dense (strided) tensor, got layout torch.sparse_coo" if indices == "sparse" else "on the meta device"
+        assert str(raised.value).startswith("indices: expected ") and expected in str(raised.value), raised.value
+        assert getattr(host, call)(tokens, *args[1:])  # the same pages, dense, are served

@@ -12,8 +12,9 @@ Here the tensors of one page size are the layers of one MLA-kind device pool
 Its host pool is `layer_first` with one token a sub-block of a chunk, so that
 host token `c * blocks_per_chunk + j` of layer t is sub-block j of chunk c of
 tensor t: the same bytes at the same offsets of a per-tensor buffer as vLLM's
-own CPU spec keeps.  A transfer is then index pairs (GPU block, host token) and
-one portable_kv call per pool and set of layers.  Nothing here imports vllm.
+own CPU spec keeps.  A transfer is then index pairs (GPU block, host token),
+prepared once as one portable_kv plan per pool and set of layers, and launched
+for every layer at once or layer by layer.  Nothing here imports vllm.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def check_served(kv_caches: Any, canonical_layout: bool) -> None:
 class HostTier:
     """vLLM's block tensors as portable_kv device pools, with their host pools of `num_chunks` chunks.
 
-    `move` enqueues one transfer on the current stream; `chunk_view(t)` is
+    `prepare` plans one transfer (a plan per pool, its index copies its
+    own), whose calls enqueue on the current stream; `chunk_view(t)` is
     tensor t's host copy in vLLM's `(num_chunks, blocks_per_chunk *
     page_bytes)` shape.
     """
@@ -163,35 +165,29 @@ class HostTier:
                              f"{list(group_sizes)} from block indices {list(block_indices)} at {per} blocks a chunk")
         return moves
 
-    def move(self, moves: list[Moves], to_device: bool, io: str | None = None) -> int:
-        """Enqueue the moves on the current stream: one call per pool and set of layers
-        (groups that share both are one call where their blocks are distinct); returns the bytes moved."""
-        calls: dict[tuple[int, tuple[int, ...]], list[Moves]] = {}
+    def prepare(self, moves: list[Moves], to_device: bool, io: str | None = None) -> TierTransfer:
+        """The moves as one transfer, planned once: one portable_kv plan per pool and set of layers
+        (groups that share both are one plan where their blocks are distinct).  Stores are off the
+        step's critical path (`background`), so `auto` may give them the copy engines."""
+        io = io or self.io["load" if to_device else "store"]
+        by_layers: dict[tuple[int, tuple[int, ...]], list[Moves]] = {}
         for m in moves:
             for pool, layers in self.group_layers[m.group].items():
-                calls.setdefault((pool, layers), []).append(m)
-        for (pool, layers), parts in calls.items():
-            batches = [parts] if len(parts) == 1 or _distinct(parts) else [[p] for p in parts]
-            for batch in batches:
+                by_layers.setdefault((pool, layers), []).append(m)
+        calls = []
+        for (pool, layers), parts in by_layers.items():
+            for batch in [parts] if len(parts) == 1 or _distinct(parts) else [[p] for p in parts]:
                 blocks = torch.from_numpy(np.concatenate([p.blocks for p in batch]))
                 tokens = torch.from_numpy(np.concatenate([p.tokens for p in batch]))
-                self._call(pool, layers, blocks, tokens, to_device, io)
-        return sum(len(m.blocks) * self.group_bytes[m.group] for m in moves)
+                plan = self.hosts[pool].prepare(self.devices[pool], tokens, blocks, io_backend=io, background=not to_device)
+                calls.append(PlannedCall(pool, layers, len(layers) == self.hosts[pool].layer_num, plan))
+        return TierTransfer(calls, to_device, sum(len(m.blocks) * self.group_bytes[m.group] for m in moves))
 
-    def _call(self, pool: int, layers: tuple[int, ...], blocks: torch.Tensor, tokens: torch.Tensor, to_device: bool, io: str | None) -> None:
-        host, device = self.hosts[pool], self.devices[pool]
-        io = io or self.io["load" if to_device else "store"]
-        if len(layers) == host.layer_num:
-            if to_device:
-                host.load_to_device_all_layer(device, tokens, blocks, io_backend=io)
-            else:
-                host.backup_from_device_all_layer(device, tokens, blocks, io_backend=io)
-            return
-        for layer in layers:
-            if to_device:
-                host.load_to_device_per_layer(device, tokens, blocks, layer, io_backend=io)
-            else:
-                host.backup_from_device_per_layer(device, tokens, blocks, layer, io_backend=io)
+    def move(self, moves: list[Moves], to_device: bool, io: str | None = None) -> int:
+        """Prepare the moves and enqueue them on the current stream; returns the bytes moved."""
+        transfer = self.prepare(moves, to_device, io)
+        transfer.run()
+        return transfer.num_bytes
 
     def stats(self) -> list[dict]:
         """Each host pool's `stats()` (one pool per page size): calls, bytes and the caller's time per
@@ -202,6 +198,56 @@ class HostTier:
         """Release the host memory after the transfers already enqueued."""
         for host in self.hosts:
             host.close()
+
+
+@dataclass(frozen=True)
+class PlannedCall:
+    """One pool's share of a transfer: its prepared plan and the pool's layers it moves."""
+
+    pool: int
+    layers: tuple[int, ...]
+    every_layer: bool  # all of the pool's layers: one all-layer call
+    plan: Any  # the host pool's PreparedTransfer
+
+
+class TierTransfer:
+    """One transfer of the tier, prepared once (`HostTier.prepare`): `run()` moves every layer,
+    `run_layers(order)` one layer after another, `ready(slot)` says when a layer has landed."""
+
+    def __init__(self, calls: list[PlannedCall], to_device: bool, num_bytes: int) -> None:
+        self.calls, self.to_device, self.num_bytes = calls, to_device, num_bytes
+
+    def slots(self) -> list[Slot]:
+        """The (pool, layer) slots it moves, each once, in pool then layer order."""
+        return sorted({Slot(c.pool, layer) for c in self.calls for layer in c.layers}, key=lambda s: (s.pool, s.layer))
+
+    def run(self) -> None:
+        """Enqueue every layer on the current stream: one all-layer call per plan that moves all of a pool's layers."""
+        for call in self.calls:
+            if call.every_layer:
+                call.plan.load_all() if self.to_device else call.plan.backup()
+            else:
+                for layer in call.layers:
+                    self._one(call, layer)
+
+    def run_layers(self, order: Sequence[Slot]) -> None:
+        """Enqueue one call per layer on the current stream: the slots of `order` in that order, then
+        those it moves that `order` leaves out."""
+        moved, named = self.slots(), set(order)
+        for slot in [s for s in order if s in set(moved)] + [s for s in moved if s not in named]:
+            for call in self.calls:
+                if call.pool == slot.pool and slot.layer in call.layers:
+                    self._one(call, slot.layer)
+
+    def ready(self, slot: Slot) -> list[Any]:
+        """The plans' events that complete when the slot's latest call has landed (none where it moves no such slot)."""
+        return [c.plan.ready(slot.layer) for c in self.calls if c.pool == slot.pool and slot.layer in c.layers]
+
+    def _one(self, call: PlannedCall, layer: int) -> None:
+        if self.to_device:
+            call.plan.load(layer)
+        else:
+            call.plan.backup(layer)
 
 
 def _distinct(parts: list[Moves]) -> bool:

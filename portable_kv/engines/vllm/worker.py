@@ -5,23 +5,26 @@ each a queue of transfers that run and finish in the order they were
 submitted, on a stream of their own that first waits for the model's stream
 (stores read KV it wrote; loads must land after writes to their blocks);
 `get_finished` reports finished transfers in order with their bytes and time,
-`wait` blocks on the named ones.  The bytes move through portable_kv's io
-paths (host_tier.py) instead of `swap_blocks_batch`.  On the cpu backend a
-transfer is done when it returns.
+`wait` blocks on the named ones.  Each job is prepared once, one portable_kv
+plan per pool (host_tier.py), and moved through portable_kv's io paths
+instead of `swap_blocks_batch`; stores are marked as off the critical path.
+On the cpu backend a transfer is done when it returns.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from ... import backends
-from .host_tier import HostTier
+from .host_tier import HostTier, Slot, TierTransfer
 
 
 @dataclass
@@ -43,27 +46,31 @@ class Direction:
         self.jobs: deque[_Job] = deque()
         self.events: dict[int, Any] = {}
 
-    def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec, order: Sequence[Slot] | None = None) -> TierTransfer:
+        """Prepare the job (one plan per pool) and enqueue it: every layer at once, or one layer after
+        another in `order` (a load whose forward waits layer by layer)."""
         gpu_spec, host_spec = (dst_spec, src_spec) if self.to_device else (src_spec, dst_spec)
         if not isinstance(gpu_spec, GPULoadStoreSpec) or not isinstance(host_spec, BlockIDsLoadStoreSpec):
             raise TypeError(f"job {job_id}: expected a GPULoadStoreSpec and a CPULoadStoreSpec, got "
                             f"{type(src_spec).__name__} -> {type(dst_spec).__name__}")
         moves = self.tier.plan(gpu_spec.block_ids, gpu_spec.group_sizes, gpu_spec.block_indices, host_spec.block_ids)
+        transfer = self.tier.prepare(moves, self.to_device)
+        launch = transfer.run if order is None else partial(transfer.run_layers, order)
         if not self.gpu:
             start = time.perf_counter()
-            num_bytes = self.tier.move(moves, self.to_device)
-            self.jobs.append(_Job(job_id, num_bytes, start, None, time.perf_counter() - start))
-            return True
+            launch()
+            self.jobs.append(_Job(job_id, transfer.num_bytes, start, None, time.perf_counter() - start))
+            return transfer
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         # Earlier jobs of this direction are ahead on the same stream: order is kept by the stream itself.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
-            num_bytes = self.tier.move(moves, self.to_device)
+            launch()
             end.record(self.stream)
-        self.jobs.append(_Job(job_id, num_bytes, start, end))
+        self.jobs.append(_Job(job_id, transfer.num_bytes, start, end))
         self.events[job_id] = end
-        return True
+        return transfer
 
     def finished(self) -> list[TransferResult]:
         results = []
@@ -101,11 +108,18 @@ class PortableKVOffloadingWorker(OffloadingWorker):
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         """Async GPU -> host."""
-        return self._store.submit(job_id, src_spec, dst_spec)
+        self._store.submit(job_id, src_spec, dst_spec)
+        return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
         """Async host -> GPU."""
-        return (self._expedited_load if expedited else self._load).submit(job_id, src_spec, dst_spec)
+        (self._expedited_load if expedited else self._load).submit(job_id, src_spec, dst_spec)
+        return True
+
+    def submit_layerwise_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, order: Sequence[Slot]) -> TierTransfer:
+        """Host -> GPU on the expedited loads' stream, one call per layer in `order`: the
+        transfer's `ready(slot)` says when each layer has landed.  Finished, and waited by `wait`, as a load."""
+        return self._expedited_load.submit(job_id, src_spec, dst_spec, order)
 
     def get_finished(self) -> list[TransferResult]:
         return self._store.finished() + self._load.finished() + self._expedited_load.finished()

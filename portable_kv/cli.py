@@ -13,17 +13,24 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__, config
 
 USAGE_ERROR = 2  # argparse's own status for a bad command line
 
 
-class CommandLine(argparse.ArgumentParser):
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse's parser, a usage error one line as every expected failure is (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (`{self.prog} --help` lists the arguments)\n")
+
+
+class CommandLine(OneLineErrors):
     """argparse's parser, with an unknown argument reported by the parser it was given to.
 
-    argparse reports a command's unknown arguments with the top-level usage, which
+    argparse reports a command's unknown arguments as the top level's, whose --help
     does not list the command's flags, and a missing command before any unknown
     flag, which hides the flag (`portable-kv --frobnicate`). Here the command's own
     parser reports what came after the command, the top level what came before it.
@@ -238,7 +245,7 @@ def parser() -> argparse.ArgumentParser:
                                 epilog="Expected failures print one line and exit 2; PORTABLE_KV_DEBUG=1 shows the traceback.")
     p.add_argument("--version", action="version", version=f"portable-kv {__version__}")
     # Not required here: CommandLine.parse_args says so itself, after naming any unknown argument.
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=argparse.ArgumentParser)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrors)
     p.commands = sub.choices
 
     def command(name: str, func: Callable[[argparse.Namespace], int], summary: str) -> argparse.ArgumentParser:

@@ -18,13 +18,12 @@ import torch
 from .device_pool import MLA, DeviceGeometry, latent_split
 from .layout import LAYOUTS
 from .pool import HostPool
-from .sglang_surface import MLASurface
 
 # page_head orders a page by head; a latent row is one head, and SGLang's MLA pool refuses it.
 MLA_LAYOUTS = tuple(layout for layout in LAYOUTS if layout != "page_head")
 
 
-class MLAHostPool(HostPool, MLASurface):
+class MLAHostPool(HostPool):
     """The host tier of an MLA pool: latent pages in page-locked host memory, in one of three layouts.
 
     `kv_buffer` is one tensor: (L, size, 1, D) layer_first, (size, L, 1, D)

@@ -1,19 +1,18 @@
 """Host pools (docs/API.md): construction, checks and transfers, for either kind of pool.
 
 `HostPool` is the machinery; `AsymmetricHostPool` holds an MHA pool's K and V,
-`MLAHostPool` (mla.py) an MLA pool's latent buffer.  A transfer call checks
-everything before a byte moves (the device pool's geometry, the layer, the
-indices: validation.py), then hands one `Transfer`, one tensor pair per
-buffer, to the pool's mover for that io path, resolved once per pool from the
-bound backend.  The memory lives in host_memory.py; page access for storage
-tiers in pages.py; the SGLang host-pool surface in sglang_surface.py.
+`MLAHostPool` (mla.py) an MLA pool's latent buffer.  A transfer call checks the
+device pool and the layer, finds the plan of its index tensors in the pool's one
+memo (or makes it: plan.py, which validates and owns the indices and launches),
+and calls it.  The pool's io paths share one io context (io/context.py).  The
+memory lives in host_memory.py; page access for storage tiers in pages.py;
+SGLang's names for it in engines/sglang/.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -25,15 +24,14 @@ from .backends.base import Backend
 from .device_pool import MHA, DeviceGeometry, DeviceKVPool, PoolKind, device_geometry, positive_int
 from .host_memory import HOST_MEMORY, HostMemory, check_available, host_tokens
 from .io.context import IoContext
-from .io.mover import IO_PATHS, Mover
+from .io.mover import IO_PATHS
 from .layout import LAYOUTS, check_layout, host_shape
 from .log import package_logger, pool_line
 from .numa import Placement, placement
 from .pages import PageAccess
-from .prepared import PreparedTransfer
-from .sglang_surface import SGLangSurface
-from .transfer import TensorPair, Transfer, tensor_pair
-from .validation import IndexValidator
+from .plan import PlanMemo, TransferPlan
+from .transfer import TensorPair, tensor_pair
+from .validation import IndexValidator, index_tensor, owned_int64
 
 # Registered host memory is split into pieces of whole pages: a page-major layout
 # keeps every copy inside one page, so inside one registration.
@@ -51,7 +49,7 @@ class Binding(NamedTuple):
     held: tuple[tuple[str, list[torch.Tensor]], ...]  # each buffer's name and the per-layer tensors the pairs hold
 
 
-class HostPool(PageAccess, SGLangSurface):
+class HostPool(PageAccess):
     """The host tier of one kind of pool: its buffers' pages in page-locked host memory.
 
     `kind` names the buffers (device_pool.py), which become attributes of the
@@ -81,7 +79,7 @@ class HostPool(PageAccess, SGLangSurface):
         self.page_size = positive_int("device_pool.page_size", getattr(device_pool, "page_size", 0))
         self.layer_num, self.dtype = geometry.layers, geometry.dtype
         self.backend.check_dtype(self.dtype)
-        self.validate = bool(validate)
+        self.validate = _flag("validate", validate)
         token_bytes = self.layer_num * geometry.token_elements * self.dtype.itemsize
         tokens = host_tokens(host_to_device_ratio, host_size_gb, geometry.tokens, token_bytes, "+".join(self.kind.labels))
         self.page_num = max(1, -(-tokens // self.page_size))
@@ -105,10 +103,9 @@ class HostPool(PageAccess, SGLangSurface):
         self.closed = False
         self._validator = IndexValidator(self.size, self.page_size, self.layout, self.validate)
         self._binding: Binding | None = None
-        self._io_context = IoContext(self.backend.device, self.backend.mover)
-        self._host_writes = 0  # backups issued so far (Transfer.host_writes)
-        self._mover(self.io_backend)
-        self._init_allocator()
+        self._io_context = IoContext(self.backend.device, self.backend.mover, self.backend.copier.streams())
+        self._plans = PlanMemo()
+        self._io_context.mover(self.io_backend)
         logger = package_logger()
         if logger.isEnabledFor(logging.INFO):
             logger.info(pool_line(self))
@@ -150,100 +147,99 @@ class HostPool(PageAccess, SGLangSurface):
         if self._memory is not None and self._memory.device_addresses_differ:
             raise ValueError(f"io_backend={io!r} with host_memory='registered': this GPU maps registered memory at another address; use io_backend='direct'")
 
-    @property
-    def _movers(self) -> dict[str, Mover]:
-        """This pool's movers made so far, by io path."""
-        return self._io_context.movers
-
-    def _mover(self, io: str) -> Mover:
-        """This pool's mover for an io path: made once, owning the pool's launch caches."""
-        return self._io_context.mover(io)
-
     def stats(self) -> dict[str, Any]:
-        """What this pool did (docs/API.md): per direction and io path, calls, bytes and the
-        caller's seconds in them; the path each delegating io path took, how often and why;
-        the last error a transfer call raised."""
+        """What this pool did (docs/API.md): per direction and io path, calls, bytes, the caller's
+        seconds in them and the device's seconds of those read back; the path each delegating
+        io path took, how often and why; the last error a transfer call raised."""
+        self._io_context.in_flight.read_back()
         return self._io_context.stats.as_dict()
 
     def prepare(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                io_backend: str | None = None) -> PreparedTransfer:
-        """A transfer of these indices between this pool and `device_pool`, checked and planned
-        once: `plan.load(layer_id)`, `plan.load_all()`, `plan.backup(layer_id=None)` only enqueue
-        (prepared.py).  Raises as the transfer calls do, before anything moves."""
+                io_backend: str | None = None, background: bool = False) -> TransferPlan:
+        """A transfer of these indices between this pool and `device_pool`, checked once and
+        launched per call: `plan.load(layer_id)`, `plan.load_all()`, `plan.backup(layer_id=None)`,
+        `plan.ready(layer_id)` (plan.py).  Raises as the transfer calls do, before anything
+        moves.  `background`: the transfer is off the caller's critical path (a backup during
+        decode, a prefetch): `auto` prefers the copy engines."""
         try:
             self._check_open()
-            io = self.io_backend if io_backend is None else io_backend
-            self._check_reads(self._check_io(io))
-            self._mover(io)
+            io = self._io_path(io_backend)
             binding = self._bind(device_pool, range(self.layer_num))
-            return PreparedTransfer(self, binding.pairs, binding.geometry.tokens, host_indices, device_indices, io)
+            return TransferPlan(self, io, host_indices, device_indices, binding, background=_flag("background", background))
         except (ValueError, TypeError) as exc:
             self._io_context.stats.error(exc)
             raise
 
-    def _run(self, plan: PreparedTransfer, to_device: bool, layers: range) -> None:
-        """One call of a prepared transfer."""
-        if self.closed:
-            raise ValueError("host pool: the pool is closed")
-        started = time.perf_counter()
-        if not to_device:
-            self._host_writes += 1
-        transfer = plan.transfer(to_device, layers, self._host_writes)
-        mover = self._io_context.movers[plan.io]
-        mover.move(transfer)
-        self._record(mover, plan.io, to_device, plan.nbytes_per_layer * len(layers), started)
+    def _io_path(self, io_backend: str | None) -> str:
+        """The io path a call asks for (None: the pool's), checked at its first use."""
+        io = self.io_backend if io_backend is None else io_backend
+        if type(io) is not str or io not in self._io_context.movers:
+            self._check_reads(self._check_io(io))
+            self._io_context.mover(io)
+        return io
 
-    def _record(self, mover: Mover, io: str, to_device: bool, nbytes: int, started: float) -> None:
-        taken = getattr(mover, "last_choice", None) or getattr(mover, "last_path", None)
-        self._io_context.stats.record(to_device, io, nbytes, time.perf_counter() - started, taken, getattr(mover, "last_reason", ""))
+    def _submission_plan(self, host_indices: Any, device_indices: Any, io_backend: str | None) -> TransferPlan:
+        """A plan over the pool's own copies of `host_indices` and `device_indices`, found again
+        by the per-call API through those copies alone (an engine's submission passes them to
+        every call and writes them never): SGLang's `prepare_transfer_indices`."""
+        self._check_open()
+        try:
+            io = self._io_path(io_backend)
+            host = owned_int64(index_tensor("host_indices", host_indices))
+            dev = owned_int64(index_tensor("device_indices", device_indices))
+            plan = TransferPlan(self, io, host, dev, None, fixed=False, owned=True)
+        except (ValueError, TypeError) as exc:
+            self._io_context.stats.error(exc)
+            raise
+        self._plans.keep(host, dev, plan)
+        return plan
 
     # -- transfers (docs/API.md) ---------------------------------------------------------
 
     def load_to_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
-                                 io_backend: str | None = None, is_draft: bool = False) -> None:
+                                 io_backend: str | None = None, is_draft: bool = False, background: bool = False) -> None:
         """H2D, one layer: every buffer of token `host_indices[i]` to slot `device_indices[i]` of layer `layer_id`.
 
         Asynchronous on the current stream.  `is_draft` is SGLang's flag for a
         speculative draft model's layers; a host pool holds one model, so it
         changes nothing here.
         """
-        self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), True, io_backend)
+        self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), True, io_backend, background)
 
-    def load_to_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
+    def load_to_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                                 io_backend: str | None = None, background: bool = False) -> None:
         """H2D, every layer, in one call (one kernel launch on `kernel` io)."""
-        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), True, io_backend)
+        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), True, io_backend, background)
 
     def backup_from_device_per_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
-                                     io_backend: str | None = None) -> None:
+                                     io_backend: str | None = None, background: bool = False) -> None:
         """D2H, one layer: slot `device_indices[i]` of layer `layer_id` to host token `host_indices[i]`."""
-        self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), False, io_backend)
+        self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), False, io_backend, background)
 
-    def backup_from_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
+    def backup_from_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                                     io_backend: str | None = None, background: bool = False) -> None:
         """D2H, every layer, in one call."""
-        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), False, io_backend)
+        self._transfer(device_pool, host_indices, device_indices, range(self.layer_num), False, io_backend, background)
 
-    def _transfer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: range, to_device: bool, io_backend: str | None) -> None:
-        started = time.perf_counter()
+    def _transfer(self, device_pool: Any, host_indices: Any, device_indices: Any, layers: range, to_device: bool,
+                  io_backend: str | None, background: bool) -> None:
+        """A per-call transfer: the plan of the caller's tensors, found in the pool's one memo
+        (plan.py's holds(): identity, version counters, CPU values), or made now."""
         if self.closed:
             raise ValueError("host pool: the pool is closed")
-        io = self.io_backend if io_backend is None else io_backend
-        mover = self._io_context.movers.get(io) if type(io) is str else None
         try:
-            if mover is None:
-                self._check_reads(self._check_io(io_backend))
-                mover = self._mover(io_backend)
+            io = self._io_path(io_backend)
             binding = self._bind(device_pool, layers)
-            indices = self._validator(host_indices, device_indices, binding.geometry.tokens, to_device)
-            if not indices.tokens:
-                return
-            if not to_device:
-                self._host_writes += 1
-            transfer = Transfer(to_device, binding.pairs, indices, layers, self.page_size, self._host_writes)
-            mover.move(transfer)
-        except (ValueError, TypeError, RuntimeError) as exc:
+            plan = self._plans.find(host_indices, device_indices, io, background)
+            if plan is None:
+                plan = TransferPlan(self, io, host_indices, device_indices, binding, fixed=False, background=_flag("background", background))
+                self._plans.keep(host_indices, device_indices, plan)
+            elif plan.binding is not binding:
+                plan.rebind(binding)
+        except (ValueError, TypeError) as exc:
             self._io_context.stats.error(exc)
             raise
-        self._record(mover, io, to_device, transfer.bytes, started)
+        plan._call(to_device, layers)
 
     def _bind(self, device_pool: Any, layers: range) -> Binding:
         """The device pool's checked geometry and tensor pairs, kept for the pool an engine passes every call.
@@ -268,7 +264,8 @@ class HostPool(PageAccess, SGLangSurface):
                 return bound
         geometry = self._check_device_pool(device_pool)
         given = [list(getattr(device_pool, name)) for name in self.kind.buffers]
-        pairs = tuple(tensor_pair(host, device, self.layout, self.page_size, tokens)
+        tables = self.backend.device if self.backend.reads_layer_tables else None
+        pairs = tuple(tensor_pair(host, device, self.layout, self.page_size, tokens, tables)
                       for host, device, tokens in zip(self.buffers, given, self._memory.registration_tokens))
         self._binding = Binding(device_pool, geometry, pairs, tuple(zip(self.kind.buffers, given)))
         return self._binding
@@ -315,7 +312,7 @@ class HostPool(PageAccess, SGLangSurface):
         self.closed = True
         for name in self.kind.buffers:
             setattr(self, name, None)
-        self._validator.clear()
+        self._plans.clear()
         self._binding = None
 
     def __enter__(self) -> HostPool:
@@ -344,6 +341,13 @@ class AsymmetricHostPool(HostPool):
     def kv_buffer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(k_buffer, v_buffer)``, as SGLang's asymmetric pool has it; None once closed."""
         return None if self.k_buffer is None else (self.k_buffer, self.v_buffer)
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A yes/no argument: a bool (numpy's too), never a string, whose truth would be its length."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
 
 
 def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:

@@ -1,5 +1,6 @@
-"""The import path of the SGLang integration before engines had a folder: the same module
-as `portable_kv.engines.sglang` (not a copy), so patches and `install()` state are shared."""
+"""The import path of the SGLang integration before engines had a folder, kept for one
+release: the same module as `portable_kv.engines.sglang` (not a copy), so patches and
+`install()` state are shared.  Import `portable_kv.engines.sglang` instead."""
 
 import importlib
 import sys

@@ -1,20 +1,24 @@
-"""One transfer: which tokens, which layers, which way, and each buffer (K and V, or
-MLA's latent) on both sides: one tensor pair per buffer, each a strided gather.
+"""One transfer: which tokens, which layers, which way, and each buffer (K and V, or MLA's
+latent) on both sides: one tensor pair per buffer, each a strided gather.
 
-The host pool builds one per call, after every check (pool.py), and hands it to
-the mover of its io path (portable_kv/io/).
+A plan builds one per direction and layer span, after every check (plan.py), and hands
+it to the mover of its io path (portable_kv/io/), which turns it into a launch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .indices import IndexPair
 from .layout import Chunking, HostStrides, chunking, host_strides
+
+if TYPE_CHECKING:
+    from .io.mover import BadIndexFlag
 
 
 @dataclass(frozen=True)
@@ -27,32 +31,41 @@ class TensorPair:
     strides: HostStrides
     chunks: Chunking
     registration_tokens: int = 0  # host memory registered in pieces of this many tokens; no copy may span two
+    # The per-layer device buffers' addresses, resident on the device, where the copy kernels
+    # read them (GPU backends); made once per device pool a host pool is bound to.
+    layer_table: LayerTable | None = None
 
     @property
     def device_token_bytes(self) -> int:
         return self.strides.row_bytes * self.strides.heads
 
 
-def tensor_pair(host: torch.Tensor, device: Sequence[torch.Tensor], layout: str, page_size: int, registration_tokens: int = 0) -> TensorPair:
+class LayerTable:
+    """Per-layer base addresses of an engine's device buffers, resident on the device."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> None:
+        addresses = [t.data_ptr() for t in buffers]
+        self.addresses = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.alignment = math.gcd(*addresses)
+
+
+def tensor_pair(host: torch.Tensor, device: Sequence[torch.Tensor], layout: str, page_size: int, registration_tokens: int = 0,
+                table_device: torch.device | None = None) -> TensorPair:
     strides = host_strides(host, layout, page_size)
-    return TensorPair(host, layout, device, strides, chunking(strides), registration_tokens)
+    table = LayerTable(device, table_device) if table_device is not None else None
+    return TensorPair(host, layout, device, strides, chunking(strides), registration_tokens, table)
 
 
 class Transfer(NamedTuple):
-    """One validated call.
-
-    A named tuple, not a dataclass: one is built per call, and a frozen
-    dataclass costs a microsecond more to build (host CPU time per call)."""
+    """One validated transfer of a plan, as a mover builds its launch from it."""
 
     to_device: bool
     pairs: tuple[TensorPair, ...]  # K, V; or the latent
     indices: IndexPair
-    layers: range
+    layers: range  # the span it was built for; a call moves as many layers from its own start
     page_size: int
-    # Backups of this host pool issued before this call, on any stream and io path: a
-    # staged load whose count has not moved since its last wait for the current stream
-    # need not wait for that stream again (io/staged.py).
-    host_writes: int = 0
+    flag: BadIndexFlag  # raised where a launch skips a token outside a pool
+    background: bool = False  # off the caller's critical path: auto prefers the copy engines
 
     @property
     def tokens(self) -> int:

@@ -1,31 +1,20 @@
 """Index validation: everything a transfer's indices must satisfy before a byte moves.
 
-Engines pass the same index tensors to every per-layer call, so a validated pair
-(indices.py) is kept and found again by the identity of the caller's tensors and
-their version counters.  Version counters miss writes made through `.numpy()`,
-`.data` or DLPack, so for CPU-resident indices the pair also holds a snapshot of
-the values, compared on every reuse: what moves is always what was validated.
-GPU-resident indices are not compared (that would be a device round trip per
-call): an engine that rewrites them in place behind torch's back must pass a new
-tensor (docs/API.md, Guarantees).  Indices the pool copied for one submission of
-SGLang's (`stable_copies`) are its own, which nobody writes: they are found again
-by identity alone, with no comparison, in inference mode too.
+A plan (plan.py) validates its own copies of the caller's indices once per direction;
+nothing here is kept between calls.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import numpy as np
 import torch
 
-from .cache import IdentityCache
 from .indices import IndexPair
 from .layout import PAGE_LAYOUTS
 
 INDEX_DTYPES = (torch.int64, torch.int32)
-VALIDATED_KEPT = 4  # a per-layer load's pair, a backup's pair, and spares: an engine interleaves them
 
 
 def index_tensor(name: str, value: Any) -> torch.Tensor:
@@ -69,141 +58,64 @@ def check_unique(name: str, values: np.ndarray) -> None:
         raise ValueError(f"{name}: expected distinct destination slots, got duplicates (two writes to one slot race)")
 
 
-def _as_owned(t: torch.Tensor) -> torch.Tensor:
-    """Indices the pool already owns (stable_copies): dense int64 that nobody writes."""
-    return t
-
-
-def _owned_int64(t: torch.Tensor) -> torch.Tensor:
+def owned_int64(t: torch.Tensor) -> torch.Tensor:
     """A contiguous int64 copy the caller cannot change: kernels read data_ptr() as a dense array,
     so a strided or expanded view would be read wrongly, and a later in-place write would
-    change indices that were already validated."""
-    return t.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
-
-
-_DIRECTIONS = {True: object(), False: object()}  # loads, backups
-
-
-def _version(indices: torch.Tensor) -> int | None:
-    """The tensor's version counter; None for a tensor made under torch.inference_mode(),
-    which has none (reading it raises): its CPU-resident values are compared with the
-    snapshot on every reuse, and GPU-resident ones are never reused (`_reusable`)."""
-    return None if indices.is_inference() else indices._version
-
-
-def _stamp(host_indices: torch.Tensor, device_indices: torch.Tensor, device_tokens: int, to_device: bool) -> tuple:
-    return _version(host_indices), _version(device_indices), device_tokens, to_device
-
-
-def _reusable(indices: torch.Tensor) -> bool:
-    """Whether a kept pair may stand for these indices again: an in-place write to an
-    inference tensor on the GPU moves no version counter and has no snapshot to compare
-    (that would be a device round trip per call), so such indices are validated anew each
-    call; `prepare()` validates once and keeps its own copy (docs/API.md)."""
-    return indices.device.type == "cpu" or not indices.is_inference()
-
-
-def _snapshot(given: torch.Tensor, owned: torch.Tensor) -> torch.Tensor | None:
-    """The values CPU-resident indices were validated with: the pool's own int64 copy where
-    the caller's tensor is int64 (nobody writes it), else a dense copy in the caller's dtype."""
-    if given.device.type != "cpu":
-        return None
-    return owned if given.dtype == owned.dtype else given.clone(memory_format=torch.contiguous_format)
+    change indices that were already validated.  Made outside inference mode, so the copy
+    is an ordinary tensor whatever mode the caller is in."""
+    with torch.inference_mode(False):
+        return t.to(torch.int64, copy=True, memory_format=torch.contiguous_format)
 
 
 class IndexValidator:
-    """Validates a transfer's index tensors for one host pool, keeping the last few pairs."""
+    """Validates a plan's index copies for one host pool, once per direction."""
 
     def __init__(self, host_tokens: int, page_size: int, layout: str, validate: bool) -> None:
         self.host_tokens, self.page_size, self.layout, self.validate = host_tokens, page_size, layout, validate
-        self.validations = 0  # how many pairs were validated (not found kept): tests count them
         # False: GPU-resident indices are not read on the host (SGLangHostPool: SGLang's
         # kernel io passes both on the GPU, its load stream held behind the model's); the
         # kernels bound-check them.
         self.read_gpu_indices = True
-        self._kept: IdentityCache[IndexPair] = IdentityCache(VALIDATED_KEPT)
-        # The copies `stable_copies` handed out (the pool's own, never written after), by id;
-        # each entry goes with its tensor.  Not a WeakSet: that compares tensors with ==.
-        self._stable: dict[int, weakref.ref[torch.Tensor]] = {}
 
-    def stable_copies(self, host_indices: Any, device_indices: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense int64 copies of a submission's indices, on their devices (a GPU copy ordered on
-        the current stream), that the pool owns: its calls with them are validated once and then
-        found by identity alone.  Refuses what is not an index tensor, as a transfer would."""
-        host = _owned_int64(index_tensor("host_indices", host_indices))
-        dev = _owned_int64(index_tensor("device_indices", device_indices))
-        stable = self._stable
-        for copy in (host, dev):
-            key = id(copy)
-            stable[key] = weakref.ref(copy, lambda _, key=key: stable.pop(key, None))
-        return host, dev
-
-    def _is_stable(self, indices: Any) -> bool:
-        ref = self._stable.get(id(indices))
-        return ref is not None and ref() is indices
-
-    def __call__(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
-        # The direction is part of the key, not only of the stamp: a load and a backup of
-        # the same tensors are kept side by side, and what is known of each pair with it.
-        tensors = (host_indices, device_indices, _DIRECTIONS[to_device])
-        if type(host_indices) is torch.Tensor and type(device_indices) is torch.Tensor:
-            kept = self._kept.lookup(tensors, _stamp(host_indices, device_indices, device_tokens, to_device))
-            if kept is not None and (self._is_stable(host_indices) and self._is_stable(device_indices)
-                                     or kept.unchanged(host_indices, device_indices) and _reusable(host_indices) and _reusable(device_indices)):
-                return kept
-        pair = self._validate(host_indices, device_indices, device_tokens, to_device)  # refuses what is not a tensor
-        return self._kept.store(tensors, pair, _stamp(host_indices, device_indices, device_tokens, to_device))
-
-    def validate_once(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
-        """A pair validated now and not kept here: a prepared transfer keeps it (prepared.py)."""
-        return self._validate(host_indices, device_indices, device_tokens, to_device)
-
-    def _validate(self, host_indices: Any, device_indices: Any, device_tokens: int, to_device: bool) -> IndexPair:
-        host = index_tensor("host_indices", host_indices)
-        dev = index_tensor("device_indices", device_indices)
-        if host.numel() != dev.numel():
-            raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")
-        # The pool's own copies (stable_copies) are neither copied again nor snapshotted:
-        # nobody writes them.
-        stable = self._is_stable(host) and self._is_stable(dev)
-        own = _as_owned if stable else _owned_int64
-
-        def snapshots() -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            return (None, None) if stable else (_snapshot(host_indices, host), _snapshot(device_indices, dev))
-
-        host = own(host)
+    def pair(self, host: torch.Tensor, dev: torch.Tensor, device_tokens: int) -> IndexPair:
+        """The pair of a plan's own copies (`owned_int64`), checked for what holds in either
+        direction (ranges, whole pages); `check_direction` adds the distinct destinations."""
         if (dev.device.type != "cpu" or host.device.type != "cpu") and not self.read_gpu_indices:
             # Reading GPU-resident indices would block the host until the current stream
             # reaches this call (an engine's load stream waits for its model stream): the
             # kernels bound-check every index instead, skipping and flagging one outside the
             # pools; CPU-resident ones are checked here as always.
             if self.validate and host.device.type == "cpu":
-                self._check(host.numpy(), "host_indices", self.host_tokens, unique=not to_device)
-            if dev.device.type == "cpu":
-                dev = own(dev)  # checked and kept as one copy, as below
-                if self.validate:
-                    self._check(dev.numpy(), "device_indices", device_tokens, unique=to_device)
-            self.validations += 1
-            return IndexPair(host, dev, snapshots(), host_readable=False)
-        dev = own(dev)
-        kept_values = snapshots()
+                self._check(host.numpy(), "host_indices", self.host_tokens)
+            if self.validate and dev.device.type == "cpu":
+                self._check(dev.numpy(), "device_indices", device_tokens)
+            return IndexPair(host, dev, host_readable=False)
         if dev.device != host.device:
             dev = dev.to(host.device)
-        pair = IndexPair(host, dev, kept_values)
+        pair = IndexPair(host, dev)
         if self.validate:
             host_np, dev_np = pair.numpy()  # GPU-resident indices: one copy, after the stream that produced them
-            self._check(host_np, "host_indices", self.host_tokens, unique=not to_device)
-            self._check(dev_np, "device_indices", device_tokens, unique=to_device)
-        self.validations += 1
+            self._check(host_np, "host_indices", self.host_tokens)
+            self._check(dev_np, "device_indices", device_tokens)
         return pair
 
-    def _check(self, values: np.ndarray, name: str, limit: int, unique: bool) -> None:
+    def check_direction(self, pair: IndexPair, to_device: bool) -> None:
+        """Distinct destinations: device slots of a load, host slots of a backup.  Two writes
+        to one slot would race on a GPU: the result would depend on timing."""
+        if not self.validate:
+            return
+        name, side = ("device_indices", 1) if to_device else ("host_indices", 0)
+        if pair.host_readable:
+            check_unique(name, pair.numpy()[side])
+        elif pair.given[side].device.type == "cpu":
+            check_unique(name, pair.given[side].numpy())
+
+    def _check(self, values: np.ndarray, name: str, limit: int) -> None:
         check_range(name, values, limit)
         if self.layout in PAGE_LAYOUTS:
             check_whole_pages(name, values, self.page_size, self.layout)
-        if unique:
-            # Two writes to one slot would race on a GPU: the result would depend on timing.
-            check_unique(name, values)
 
-    def clear(self) -> None:
-        self._kept.clear()
+
+def check_lengths(host: torch.Tensor, dev: torch.Tensor) -> None:
+    if host.numel() != dev.numel():
+        raise ValueError(f"device_indices: expected the length of host_indices ({host.numel()}), got {dev.numel()}")

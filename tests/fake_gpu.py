@@ -18,8 +18,8 @@ from portable_kv.backends.gpu import GpuBackend
 from portable_kv.backends.jit import KernelSpec
 from portable_kv.backends.runtime import DeviceRuntime
 from portable_kv.io.bulk import BulkArgs
-from portable_kv.io.bulk_plan import PIECE_FIELDS
-from portable_kv.io.engine import CopyBatch
+from portable_kv.io.bulk_pieces import PIECE_FIELDS
+from portable_kv.io.copier import CopyBatch
 from portable_kv.io.kernel_args import KERNEL_WIDTHS, CopyArgs
 from portable_kv.io.mover import Mover
 from portable_kv.io.streams import InlineStreams, Streams

@@ -128,7 +128,7 @@ def _plain(arg):
     return arg
 
 
-EVENT_CALLS = ("EventCreateWithFlags", "EventRecord", "StreamWaitEvent", "EventSynchronize", "EventQuery", "EventDestroy")
+EVENT_CALLS = ("EventCreateWithFlags", "EventRecord", "StreamWaitEvent", "EventSynchronize", "EventQuery", "EventElapsedTime", "EventDestroy")
 HIP_SYMBOLS = ("hipRuntimeGetVersion", "hipModuleLaunchKernel", "hipMemcpyBatchAsync", "hipMemcpyAsync", "hipMemcpy2DAsync", "hipGetErrorName",
                "hipSetDevice", *("hip" + name for name in EVENT_CALLS))
 CUDART_SYMBOLS = ("cudaRuntimeGetVersion", "cudaMemcpyBatchAsync", "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaGetErrorName",

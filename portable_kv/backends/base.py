@@ -1,5 +1,5 @@
-"""The interface every backend implements (Backend): a device, a copy kernel and a copy
-engine, from which it builds a mover per io path."""
+"""The interface every backend implements (Backend): a device, a copy kernel and a copier,
+from which it builds a mover per io path."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..io.auto import AutoMover
-from ..io.context import IoContext, IoSettings
-from ..io.engine import CopyEngine
-from ..io.mover import Mover, MoverFactory
+from ..io.context import IoContext
+from ..io.copier import Copier
+from ..io.mover import Mover
 from ..io.staged import StagedMover
 
 ELEMENT_SIZES = (1, 2, 4, 8)  # what the copy kernels' integer words cover
@@ -27,7 +27,10 @@ class Backend(ABC):
     # (mmap + HostRegister) rather than allocated page-locked.
     kernel_reads_registered_memory: bool = True
 
-    engine: CopyEngine  # what copies bytes for the direct and staged paths, and orders their streams
+    copier: Copier  # what copies bytes for the direct and staged paths, and orders their streams
+    # Whether the movers read the device buffers' per-layer addresses from a device-resident
+    # table (the copy kernels); the CPU oracle indexes the tensors instead.
+    reads_layer_tables: bool = True
 
     def __init__(self) -> None:
         self.device = self._device()
@@ -49,9 +52,9 @@ class Backend(ABC):
         """Whether this backend has the bulk io path (bulk_mover)."""
         return False
 
-    def bulk_mover(self, fallback: MoverFactory) -> Mover:
-        """A new mover of the bulk io path (a few blocks, a plan made once per index pair), which
-        hands what its plan cannot carry to `fallback`'s mover."""
+    def bulk_mover(self, fallback: Mover) -> Mover:
+        """A new mover of the bulk io path (a few blocks walking a piece list made once per plan),
+        which hands what its pieces cannot carry to `fallback`."""
         raise NotImplementedError(f"backend {self.name!r} has no bulk io path")
 
     @abstractmethod
@@ -59,43 +62,26 @@ class Backend(ABC):
         """A new mover of the copy kernel between a staging slot and the KV buffers (staged io),
         at `blocks` blocks where the kernel has a quota."""
 
-    def movers(self, context: IoContext | None = None) -> dict[str, MoverFactory]:
-        """io name -> a factory of new movers; a new io path is one more entry.  With a pool's
-        `context`, a path that delegates is given the pool's own movers of the paths it
-        delegates to (one staging allocation, one record of staged backups per pool)."""
-        engine = self.engine
-        settings = context.settings if context is not None else IoSettings.read()
-
-        def part(io: str, new: MoverFactory) -> MoverFactory:
-            return new if context is None else (lambda: context.mover(io))
-
-        kernel, direct = part("kernel", self.kernel_mover), part("direct", engine.direct_mover)
-
-        def staged() -> StagedMover:
-            return StagedMover(engine, self.staging_mover(settings.staging_blocks), kernel, settings.staging_bytes)
-
-        def bulk() -> Mover:
-            return self.bulk_mover(kernel)
-
-        def auto() -> AutoMover:
-            return AutoMover(kernel, direct, part("staged", staged)(), part("bulk", bulk) if self.offers_bulk else None)
-
-        factories: dict[str, MoverFactory] = {"kernel": self.kernel_mover, "direct": engine.direct_mover, "staged": staged, "auto": auto}
-        if self.offers_bulk:
-            factories["bulk"] = bulk
-        return factories
-
     @property
     def io_backends(self) -> tuple[str, ...]:
         """The io paths this backend offers."""
-        return tuple(self.movers())
+        return ("kernel", "direct", "staged", "auto", "bulk") if self.offers_bulk else ("kernel", "direct", "staged", "auto")
 
-    def mover(self, io: str, context: IoContext | None = None) -> Mover:
-        """A new mover for io path `io`, to be owned by one host pool (whose `context` it shares)."""
-        factories = self.movers(context)
-        if io not in factories:
-            raise ValueError(f"io_backend: backend {self.name!r} offers {', '.join(factories)}, got {io!r}")
-        return factories[io]()
+    def mover(self, io: str, context: IoContext) -> Mover:
+        """A new mover of io path `io` for the host pool whose io context is `context`: a path
+        that delegates is given the pool's own movers of the paths it hands transfers to (one
+        staging allocation, one record of staged backups per pool)."""
+        if io not in self.io_backends:
+            raise ValueError(f"io_backend: backend {self.name!r} offers {', '.join(self.io_backends)}, got {io!r}")
+        if io == "kernel":
+            return self.kernel_mover()
+        if io == "direct":
+            return self.copier.direct_mover()
+        if io == "bulk":
+            return self.bulk_mover(context.mover("kernel"))
+        if io == "staged":
+            return StagedMover(self.copier, self.staging_mover(context.settings.staging_blocks), context.mover("kernel"), context)
+        return AutoMover({path: context.mover(path) for path in self.io_backends if path != "auto"})
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """TypeError unless the movers can move `dtype` (integer words of 1, 2, 4 or 8 bytes)."""
@@ -115,11 +101,11 @@ class Backend(ABC):
 
     def register_host(self, address: int, nbytes: int) -> int:
         """Page-lock and map an existing host range; returns its device address."""
-        return self.engine.register_host(address, nbytes)
+        return self.copier.register_host(address, nbytes)
 
     def unregister_host(self, address: int) -> None:
         """Undo register_host."""
-        self.engine.unregister_host(address)
+        self.copier.unregister_host(address)
 
     def synchronize(self) -> None:
         if self.device.type != "cpu":

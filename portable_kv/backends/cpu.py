@@ -1,8 +1,8 @@
 """The reference backend: torch indexing on the canonical view; the oracle for every test.
 
 `kernel` io moves data with torch advanced indexing, independent of the planners;
-`direct`, `staged` and `bulk` io execute their plans on the host's copy engine (memmove),
-so the planners run in CI too.  Every path keeps the GPU kernels' guarantee for
+`direct`, `staged` and `bulk` io execute their descriptors, schedules and pieces with
+memmove, so the planners run in CI too.  Every path keeps the GPU kernels' guarantee for
 unvalidated indices: a token outside either pool is skipped and flagged, and the
 next call raises.
 """
@@ -11,52 +11,60 @@ from __future__ import annotations
 
 import torch
 
-from ..io.bulk import PlanWalker
+from ..io.bulk import PieceWalker
 from ..io.kernel_args import WORD_DTYPES
-from ..io.mover import Mover, MoverFactory
+from ..io.mover import Launch, Mover
 from ..layout import canonical_view
 from ..transfer import Transfer
 from .base import Backend
-from .host import HostEngine
+from .memmove import Memmove
 
 
-class IndexingMover(Mover):
-    """torch advanced indexing on the canonical view of the host buffers."""
+class IndexingLaunch(Launch):
+    """torch advanced indexing of one transfer's in-bounds tokens."""
 
-    io = "kernel"
-    reads_strides = False
+    path = "indexing"
+    reason = "the cpu backend serves kernel io with torch indexing"
 
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
-
-    def move(self, transfer: Transfer) -> None:
-        self.bad_index.check()
+    def __init__(self, transfer: Transfer) -> None:
+        self.transfer = transfer
         P = transfer.page_size
-        host_np, dev_np, skipped = transfer.indices.inside(transfer.pairs[0].strides.tokens, transfer.pairs[0].device[0].shape[0])
-        if skipped:
-            self.bad_index.set()
-        host_idx, dev_idx = torch.from_numpy(host_np), torch.from_numpy(dev_np)
-        page, offset = host_idx // P, host_idx % P
-        for pair in transfer.pairs:
-            view = as_words(canonical_view(pair.host, pair.layout, P))
-            for layer in transfer.layers:
+        host_np, dev_np, self.skipped = transfer.indices.inside(transfer.pairs[0].strides.tokens, transfer.pairs[0].device[0].shape[0])
+        host_idx = torch.from_numpy(host_np)
+        self.device_idx, self.page, self.offset = torch.from_numpy(dev_np), host_idx // P, host_idx % P
+        self.views = [as_words(canonical_view(pair.host, pair.layout, P)) for pair in transfer.pairs]
+
+    def run(self, layers: range, stream: int | None) -> None:
+        transfer, dev_idx, page, offset = self.transfer, self.device_idx, self.page, self.offset
+        if self.skipped:
+            transfer.flag.set()
+        for pair, view in zip(transfer.pairs, self.views):
+            for layer in layers:
                 device = as_words(pair.device[layer])
                 if transfer.to_device:
                     device[dev_idx] = view[page, offset, layer]
                 else:
                     view[page, offset, layer] = device[dev_idx]
 
-    def close(self) -> None:
-        """Nothing to drop: the in-bounds indices are kept with the indices, which the pool owns."""
+
+class IndexingMover(Mover):
+    """torch advanced indexing on the canonical view of the host buffers: the oracle."""
+
+    io = "kernel"
+    reads_strides = False
+
+    def build(self, transfer: Transfer) -> Launch:
+        return IndexingLaunch(transfer)
 
 
 class CpuBackend(Backend):
     name = "cpu"
     vendor = "cpu"
+    reads_layer_tables = False
 
     def __init__(self) -> None:
         super().__init__()
-        self.engine = HostEngine()
+        self.copier = Memmove()
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -75,8 +83,8 @@ class CpuBackend(Backend):
     def offers_bulk(self) -> bool:
         return True
 
-    def bulk_mover(self, fallback: MoverFactory) -> Mover:
-        return PlanWalker(self.engine)  # the model carries every transfer: no fallback
+    def bulk_mover(self, fallback: Mover) -> Mover:
+        return PieceWalker(self.copier)  # the model carries every transfer: no fallback
 
 
 def as_words(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..io.engine import CopyBatch
+from ..io.copier import CopyBatch
 from ..io.kernel_args import KERNEL_WIDTHS
 from .base import BackendUnavailable
 from .gpu import GpuBackend

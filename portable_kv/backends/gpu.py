@@ -11,9 +11,7 @@ import torch
 from .. import config
 from ..io.bulk import BulkMover
 from ..io.kernel import KernelMover
-from ..io.kernel_args import LayerTables
-from ..io.mover import Mover, MoverFactory
-from ..io.staged import LAUNCHES_KEPT
+from ..io.mover import Mover
 from .base import Backend, BackendUnavailable
 from .runtime import DeviceRuntime
 
@@ -29,11 +27,9 @@ class GpuBackend(Backend):
         self._bulk: int | None = None
         self._bulk_shared = 0  # dynamic shared memory the bulk kernel was allowed so far
         self._load_lock = threading.Lock()
-        # Device addresses of an engine's layers: no host memory, so kept per backend.
-        self.layer_tables = LayerTables(self.device)
 
     @property
-    def engine(self) -> DeviceRuntime:
+    def copier(self) -> DeviceRuntime:
         return self.runtime
 
     def _device(self) -> torch.device:
@@ -59,13 +55,13 @@ class GpuBackend(Backend):
     def bulk_threads(self) -> int:
         return self.runtime.bulk_threads
 
-    def bulk_mover(self, fallback: MoverFactory) -> Mover:
+    def bulk_mover(self, fallback: Mover) -> Mover:
         return BulkMover(self, fallback, blocks=self.runtime.bulk_blocks)
 
     def staging_mover(self, blocks: int) -> Mover:
         # Its device-side writes streamed: cached ones slowed the copy engine's next writes
         # into staging (kv_copy.h, `stream_device`).
-        return KernelMover(self, blocks, stream_device=True, kept=LAUNCHES_KEPT)
+        return KernelMover(self, blocks, stream_device=True)
 
     def kernels(self) -> dict[int, int]:
         """The copy kernel's entry point per access width, built or found once."""

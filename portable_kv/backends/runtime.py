@@ -25,7 +25,7 @@ import torch
 
 from .. import config
 from ..io.direct import DirectMover
-from ..io.engine import CopyBatch, CopyEngine
+from ..io.copier import CopyBatch, Copier
 from ..io.mover import Mover
 from ..io.streams import DeviceStreams, Streams
 from .jit import KernelSpec
@@ -60,7 +60,7 @@ def check(result: Any, call: str, error_name: Callable[[int], str] | None = None
     return values[0] if len(values) == 1 else values
 
 
-class DeviceRuntime(CopyEngine):
+class DeviceRuntime(Copier):
     """One GPU's runtime: code objects, launches, copies, events, host registration."""
 
     prefix: str  # "cuda" | "hip": the runtime library's symbol prefix
@@ -180,9 +180,9 @@ class DeviceRuntime(CopyEngine):
 
     # -- events, which DeviceStreams orders streams with ----------------------------------
 
-    def event_create(self) -> int:
+    def event_create(self, timing: bool = False) -> int:
         event = ctypes.c_void_p()
-        check(self._fn("EventCreateWithFlags")(ctypes.byref(event), ctypes.c_uint(EVENT_DISABLE_TIMING)),
+        check(self._fn("EventCreateWithFlags")(ctypes.byref(event), ctypes.c_uint(0 if timing else EVENT_DISABLE_TIMING)),
               f"{self.prefix}EventCreateWithFlags", self.error_name)
         return event.value or 0
 
@@ -203,6 +203,13 @@ class DeviceRuntime(CopyEngine):
             return False
         check(code, f"{self.prefix}EventQuery", self.error_name)
         return True
+
+    def event_elapsed(self, start: int, end: int) -> float:
+        """Seconds between two completed timing events."""
+        ms = ctypes.c_float()
+        check(self._fn("EventElapsedTime")(ctypes.byref(ms), ctypes.c_void_p(start), ctypes.c_void_p(end)),
+              f"{self.prefix}EventElapsedTime", self.error_name)
+        return ms.value / 1e3
 
     def event_destroy(self, event: int) -> None:
         # Unchecked: it also runs from finalizers, after the runtime may have shut down; an

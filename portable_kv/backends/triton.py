@@ -4,8 +4,8 @@ under Triton's interpreter (TRITON_INTERPRET=1), so CI executes the kernel logic
 The kernel is the algorithm of kernels_common/kv_copy.h in Triton's terms:
 a program takes ITEMS chunks (token, layer, head group) at a time, computes
 both addresses from the indices and the layout strides, and copies the chunk's
-words.  Its copy engine (direct and staged io, host registration) is the vendor
-runtime's on a GPU (cuda.py | rocm.py), the host's under the interpreter (host.py).
+words.  Its copier (direct and staged io, host registration) is the vendor
+runtime's on a GPU (cuda.py | rocm.py), memmove under the interpreter (memmove.py).
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from .. import config
-from ..io.engine import CopyEngine
-from ..io.kernel_args import WORD_DTYPES, LayerTables, pair_width
-from ..io.mover import Mover
+from ..io.copier import Copier
+from ..io.kernel_args import WORD_DTYPES, pair_width
+from ..io.mover import Launch, Mover
+from ..io.streams import MadeOn
 from ..transfer import TensorPair, Transfer
 from .base import Backend
 from .cuda import CudaRuntime
-from .host import HostEngine
+from .memmove import Memmove
 from .rocm import HipRuntime
 from .runtime import DeviceRuntime
 
@@ -87,38 +88,50 @@ def tile(chunk_words: int) -> tuple[int, int]:
     return max(1, TILE_WORDS // words), words
 
 
-class TritonMover(Mover):
-    """The Triton kernel, one launch per tensor (K, V), for one host pool."""
+class TritonLaunch(Launch):
+    """The Triton kernel's arguments for one transfer, one launch per tensor (K, V)."""
 
-    io = "kernel"
+    path = "kernel"
 
-    def __init__(self, backend: TritonBackend) -> None:
-        super().__init__(backend.device)
-        self.backend = backend
+    def __init__(self, mover: TritonMover, transfer: Transfer, stream: int | None) -> None:
+        self.backend, self.transfer = mover.backend, transfer
+        # Indices on the device, copied on the stream of the call that builds the launch.
+        self.indices = transfer.indices.on(self.backend.device)
+        self.made = MadeOn(mover.streams, stream)
 
-    def move(self, transfer: Transfer) -> None:
-        self.bad_index.check()
-        host_indices, device_indices = transfer.indices.on(self.backend.device, self.backend.engine.current_stream())
-        for pair in transfer.pairs:
-            self._launch(transfer, pair, host_indices, device_indices)
+    def run(self, layers: range, stream: int | None) -> None:
+        self.made.order(stream)
+        for pair in self.transfer.pairs:
+            self._launch(pair, layers)
 
-    def _launch(self, transfer: Transfer, pair: TensorPair, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+    def _launch(self, pair: TensorPair, layers: range) -> None:
+        transfer, (host_indices, device_indices) = self.transfer, self.indices
         s, c = pair.strides, pair.chunks
-        table = self.backend.layer_tables.of(pair.device)
+        table = pair.layer_table
         word = min(8, pair_width(pair, table))  # Triton's widest integer is 8 bytes
-        items = transfer.tokens * len(transfer.layers) * c.groups
+        items = transfer.tokens * len(layers) * c.groups
         ITEMS, WORDS = tile(c.chunk_bytes // word)
         grid = (max(1, min(self.backend.block_quota * 4, -(-items // ITEMS))),)
         kernel()[grid](
-            pair.host.view(-1).view(WORD_DTYPES[word]), table.addresses, host_indices, device_indices, self.bad_index.tensor,
-            items, transfer.tokens, transfer.layers.start, c.groups, c.chunk_bytes // word, transfer.page_size,
+            pair.host.view(-1).view(WORD_DTYPES[word]), table.addresses, host_indices, device_indices, transfer.flag.tensor,
+            items, transfer.tokens, layers.start, c.groups, c.chunk_bytes // word, transfer.page_size,
             s.page // word, s.token // word, s.layer // word, c.host_group // word,
             pair.device_token_bytes // word, c.device_group // word, s.tokens, pair.device[0].shape[0],
             TO_DEVICE=transfer.to_device, ITEMS=ITEMS, WORDS=WORDS, num_warps=8,
         )
 
-    def close(self) -> None:
-        """Nothing to drop: the layer tables hold device addresses only and stay with the backend."""
+
+class TritonMover(Mover):
+    """The Triton kernel for one host pool."""
+
+    io = "kernel"
+
+    def __init__(self, backend: TritonBackend) -> None:
+        self.backend = backend
+        self.streams = backend.copier.streams()
+
+    def build(self, transfer: Transfer) -> Launch:
+        return TritonLaunch(self, transfer, self.streams.current())
 
 
 class TritonBackend(Backend):
@@ -141,8 +154,7 @@ class TritonBackend(Backend):
         # What Triton does not do, copies by the copy engines and page-locking: the GPU's
         # own runtime's, or under the interpreter the host's.
         self.runtime: DeviceRuntime | None = vendor_runtime(self.vendor, self.device)
-        self.engine: CopyEngine = self.runtime or HostEngine()
-        self.layer_tables = LayerTables(self.device)
+        self.copier: Copier = self.runtime or Memmove()
 
     def _device(self) -> torch.device:
         if torch.cuda.is_available() and not interpreted():

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+from pathlib import Path
 
 from .draws import DRAWS
 from .registry import SECTIONS
@@ -67,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ImportError("--plot needs matplotlib: pip install 'portable-kv[bench]' (or leave --plot out)")
+    if not args.store:  # --store refuses these flags itself
+        check_outputs(args)
     if args.from_json:
         from . import report
 
@@ -78,6 +82,21 @@ def main(args: argparse.Namespace) -> int:
     from .run import run
 
     return run(args)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything is measured, an output path that could not be written when the run ends."""
+    for flag, value in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        if not value:
+            continue
+        path = Path(value)
+        directory = path.parent
+        if not directory.is_dir():
+            raise ValueError(f"{flag}: the directory {str(directory)!r} of {value!r} does not exist; create it or give another path")
+        if path.is_dir():
+            raise ValueError(f"{flag}: expected a file path, got the directory {value!r}")
+        if not os.access(directory, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ValueError(f"{flag}: {value!r} cannot be written (permissions); give another path")
 
 
 def store_bench(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from .. import backends
 from ..backends.base import Backend
-from ..io.engine import CopyBatch
+from ..io.copier import CopyBatch
 from .measure import Clock, gbps
 from .rows import Row
 from .workload import Workload
@@ -67,5 +67,5 @@ def batched_memcpy(backend: Backend) -> Callable[[CopyBatch, int], None] | None:
     """The vendor's batched memcpy (cudaMemcpyBatchAsync / hipMemcpyBatchAsync) as the backend
     calls it, or None where its copy engine is the host's.  Backends expose no public handle
     to it: this is the one place the benchmark reaches into a backend's copy engine."""
-    engine = backend.engine
+    engine = backend.copier
     return engine.memcpy_batch if engine.device.type != "cpu" else None

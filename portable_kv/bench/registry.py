@@ -39,4 +39,8 @@ SECTIONS: dict[str, Section] = {
     "vllm": Section("stores and loads of vLLM 0.33.0's KV blocks (Llama-3-8B, DeepSeek-V3; per-layer and cross-layer tensors; 1 and 16 "
                     "blocks a chunk) through the vLLM spec's host tier per io path, beside vLLM's batched memcpy and Triton swap kernel",
                     "vllm:measure"),
+    "decode": Section("a memory-bound bf16 decode step (Llama-3-8B's shape, batch 64 x 4K and 16 x 2K context) with the host tier's "
+                      "loads and backups of other pages issued beside it on a side stream, per io path and beside torch's copy_ per page "
+                      "and SGLang's JIT kernel: the step's p50 and p99 against the step alone, the host tier's GB/s",
+                      "decode:measure", table="decode:table", markdown="decode:markdown"),
 }

@@ -23,6 +23,8 @@ from .workload import Geometry, Workload
 
 # Bytes of the ceiling's bulk copy: 2 GiB settles PCIe Gen5 within 1%; 512 MiB is within 2%.
 CEILING_BYTES = {"full": 2 << 30, "quick": 512 << 20, "cpu": 64 << 20}
+REPS = {"full": 20, "quick": 5}  # timed calls per measurement where --reps is 0
+QUICK_LAYERS = 8  # of the MHA and the MLA pools, whatever --layers and --mla-layers say
 
 
 def chosen_backends(spec: str) -> list[str]:
@@ -57,9 +59,10 @@ def page_sizes(spec: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     geometry = Geometry.from_args(args)
     sizes = page_sizes(args.page_size)
-    if args.layers < 1 or args.reps < 0 or args.draws < 1:
-        raise ValueError(f"--layers: expected >= 1 (got {args.layers}); --reps: expected >= 0 (got {args.reps}); "
-                         f"--draws: expected >= 1 (got {args.draws})")
+    for flag, value, minimum in (("--layers", args.layers, 1), ("--reps", args.reps, 0), ("--draws", args.draws, 1)):
+        if value < minimum:
+            raise ValueError(f"{flag}: expected an integer >= {minimum}, got {value}")
+    used = used_counts(args, geometry)
     names = chosen_backends(args.backends)
     device = backends.get(names[0]).device
     gpu = device.type != "cpu"
@@ -72,27 +75,33 @@ def run(args: argparse.Namespace) -> int:
     stream = torch.cuda.stream(torch.cuda.Stream(device)) if gpu else contextlib.nullcontext()
     try:
         with stream:
-            rows, ceil = measure(args, geometry, sizes, names, device)
+            rows, ceil = measure(args, geometry, sizes, names, device, used)
     finally:
         backends.use(previous)
     meta = {"backend": names[0], "backends": names, "device": str(device), "gpu": torch.cuda.get_device_name(device) if gpu else "none",
-            "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "func"}, "ceiling": ceil}
+            "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "func"} | used, "ceiling": ceil}
     if args.json:
         report.save_json(args.json, rows, meta)
     report.write(rows, meta, markdown_path=args.markdown, plot_path=args.plot)
     return 0
 
 
-def measure(args: argparse.Namespace, geometry: Geometry, sizes: list[int], names: list[str], device: torch.device) -> tuple[list, dict]:
+def used_counts(args: argparse.Namespace, geometry: Geometry) -> dict[str, int]:
+    """The layers and repetitions the run uses, which --quick and a --reps of 0 decide in place of the flags' values."""
+    if args.quick:
+        return {"layers": QUICK_LAYERS, "mla_layers": QUICK_LAYERS, "reps": args.reps or REPS["quick"]}
+    return {"layers": args.layers, "mla_layers": geometry.mla_layers, "reps": args.reps or REPS["full"]}
+
+
+def measure(args: argparse.Namespace, geometry: Geometry, sizes: list[int], names: list[str], device: torch.device,
+            used: dict[str, int]) -> tuple[list, dict]:
     """The ceiling, then the section's rows (registry.py names the function that measures it)."""
     gpu = device.type != "cpu"
     clock = Clock(device)
-    reps = args.reps or (5 if args.quick else 20)
     progress = Progress()
     progress(f"ceiling: {'bulk page-locked memcpy' if gpu else 'host memcpy'} on {device}")
-    ceil = sections.ceiling(clock, device, CEILING_BYTES["cpu" if not gpu else "quick" if args.quick else "full"], reps)
-    ctx = Context(args, geometry, sizes, names, device, clock, ceil, reps, 8 if args.quick else args.layers,
-                  8 if args.quick else geometry.mla_layers, args.draws, progress)
+    ceil = sections.ceiling(clock, device, CEILING_BYTES["cpu" if not gpu else "quick" if args.quick else "full"], used["reps"])
+    ctx = Context(args, geometry, sizes, names, device, clock, ceil, used["reps"], used["layers"], used["mla_layers"], args.draws, progress)
     section = resolve(SECTIONS[args.section].measure)
     return sections.ceiling_rows(ceil) + section(ctx), ceil
 

@@ -25,7 +25,7 @@ import torch
 
 from .. import backends
 from ..engines.vllm import HostTier
-from ..io.engine import CopyBatch
+from ..io.copier import CopyBatch
 from .context import Context
 from .measure import gbps
 from .rows import Row
@@ -91,8 +91,8 @@ def _case(ctx: Context, backend: Any, label: str, pages: list[int], per_chunk: i
             load_batch = _descriptors(tensors, views, other_blocks, other_chunks, per_chunk, pages, True)
             pairs = {f"portable_kv {io}": (lambda i=io: tier.move(load_moves, True, i), lambda i=io: tier.move(moves, False, i)) for io in ios}
             pairs["peer: batched memcpy, a descriptor a block"] = (
-                lambda: backend.engine.memcpy_batch(load_batch, backend.engine.current_stream()),
-                lambda: backend.engine.memcpy_batch(store_batch, backend.engine.current_stream()))
+                lambda: backend.copier.memcpy_batch(load_batch, backend.copier.current_stream()),
+                lambda: backend.copier.memcpy_batch(store_batch, backend.copier.current_stream()))
             for name, (load, store) in pairs.items():
                 up, down, span = timed_pair(load, store, ctx.reps)
                 rows.append(row(f"{name} store + load at once", "both", span / 2, 0.0, h2d_gbps=gbps(nbytes, up), d2h_gbps=gbps(nbytes, down)))
@@ -116,7 +116,7 @@ def _descriptors(tensors: list[torch.Tensor], views: list[torch.Tensor], gpu_blo
 
 def _peers(ctx: Context, backend: Any, tensors, views, gpu_blocks, chunks, per_chunk, pages, row) -> list[Row]:
     rows = []
-    engine = backend.engine
+    engine = backend.copier
     for to_device, direction in ((False, "d2h"), (True, "h2d")):
         batch = _descriptors(tensors, views, gpu_blocks, chunks, per_chunk, pages, to_device)
         seconds, host_s = ctx.clock.time(lambda b=batch: engine.memcpy_batch(b, engine.current_stream()), ctx.reps)

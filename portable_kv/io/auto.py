@@ -1,13 +1,13 @@
-"""The `auto` io path: a choice per call between kernel, bulk, direct and staged."""
+"""The `auto` io path: a choice per plan between kernel, bulk, direct and staged."""
 
 from __future__ import annotations
 
 from ..transfer import Transfer
-from .bulk_plan import why_not_bulk
+from .bulk_pieces import why_not_bulk
 from .direct import run_offsets
-from .mover import Mover, MoverFactory, share_flag
+from .mover import Launch, Mover
 from .staged import StagedMover
-from .staged_plan import LINK_RULE, StagingRule
+from .staging_schedule import LINK_RULE, StagingRule
 
 # Under this many bytes a call is latency: the kernel path's one launch is the cheapest.
 AUTO_MIN_BYTES = 4 << 20
@@ -23,79 +23,104 @@ DIRECT_MAX_COPIES_BESIDE_BULK = 32
 DIRECT_MIN_COPY_BYTES_BESIDE_BULK = 1 << 20
 
 
-class AutoMover(Mover):
-    """Picks the io path per call from the transfer's plans, and keeps the choice with its
-    indices for its pools.  The rule (the measurements behind it: docs/DESIGN.md):
+# Off the caller's critical path, copies this long on average go to the copy engines: a page
+# of 64 tokens of one layer's K or V is 64 KiB and more in the models served; a token's
+# row (page_first, page_head) is a few KiB, and a descriptor per row would cost the
+# calling thread more than the copy.
+BACKGROUND_MIN_COPY_BYTES = 16 << 10
 
-    1. under AUTO_MIN_BYTES, or indices its pool asked not to read on the host (the other
+
+def copy_counts(transfer: Transfer) -> tuple[int, int]:
+    """How many merged runs the direct path copies of one layer of `transfer` (a run of a
+    layout whose heads lie apart is one copy a head group), and their bytes."""
+    descriptors = nbytes = 0
+    for pair in transfer.pairs:
+        sizes = run_offsets(transfer.indices, pair, transfer.page_size)[2]
+        descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
+    return descriptors, nbytes
+
+
+class AutoMover(Mover):
+    """Picks the io path per plan, direction and layer span from the transfer's shape.  The
+    rule (the measurements behind it: docs/DESIGN.md):
+
+    1. a transfer off the caller's critical path (`background`: a backup during decode, a
+       prefetch) whose copies average BACKGROUND_MIN_COPY_BYTES: `direct`, the copy engines,
+       which cost a decode step beside them 4-7% where SM and TMA copies cost it 14-128%;
+    2. under AUTO_MIN_BYTES, or indices its pool asked not to read on the host (the other
        paths plan from their values): `kernel`; a call that small is latency, and the
        kernel path is one launch;
-    2. the direct plan's copies (runs consecutive on both sides) average at least
+    3. the direct copies (runs consecutive on both sides) average at least
        DIRECT_MIN_COPY_BYTES (and, where `bulk` is offered, number at most
        DIRECT_MAX_COPIES_BESIDE_BULK or average DIRECT_MIN_COPY_BYTES_BESIDE_BULK): `direct`,
        the copy engines straight between the pools, no SM and no staging;
-    3. where the backend offers `bulk` and its plan carries the transfer (16-byte aligned
+    4. where the backend offers `bulk` and its pieces carry the transfer (16-byte aligned
        rows): `bulk`, a few blocks beside the model, a launch's host time a call;
-    4. where `rule` says staging carries the transfer and `auto` stages it (on GPUs:
+    5. where `rule` says staging carries the transfer and `auto` stages it (on GPUs:
        backups, and loads whose copies go as one batched call a chunk): `staged`;
-    5. otherwise `kernel`: short host runs would cost the copy engines more per copy than
+    6. otherwise `kernel`: short host runs would cost the copy engines more per copy than
        the kernel path loses at any placement.
 
     A load that would stage takes `kernel` while a staged backup of the same pool still
     runs: both staged at once share the link worse than a kernel-path load beside the
-    backup.  That part of the choice is made per call, not kept.
+    backup.  That part of the choice is made per call (AutoStaged).
     """
 
     io = "auto"
 
-    def __init__(self, kernel: MoverFactory, direct: MoverFactory, staged: StagedMover, bulk: MoverFactory | None = None,
-                 rule: StagingRule = LINK_RULE) -> None:
-        super().__init__(staged.device)
-        self.movers = {"kernel": kernel(), "direct": direct(), "staged": staged}
-        if bulk is not None:
-            self.movers["bulk"] = bulk()
-        self.parts = tuple(self.movers.values())
-        share_flag(self.bad_index, *self.parts)
+    def __init__(self, movers: dict[str, Mover], rule: StagingRule = LINK_RULE) -> None:
+        self.movers = movers  # the pool's own kernel, direct, staged and (where offered) bulk movers
         self.rule = rule
-        self.last_choice = ""  # the path of the latest call, for benchmarks and diagnostics
-        self.last_reason = ""  # ... and why auto took it
 
     def choice(self, transfer: Transfer) -> tuple[str, str]:
-        """The io path this mover takes for `transfer` ("kernel", "bulk", "direct" or "staged"), and why."""
-        key = ("auto", transfer.to_device, len(transfer.layers) == 1)
-        stamp = (len(transfer.layers), self.movers["staged"].staging_bytes, self.rule)
-        return transfer.indices.known((transfer.pairs,), key, lambda: self._choose(transfer), stamp)
-
-    def _choose(self, transfer: Transfer) -> tuple[str, str]:
+        """The io path auto takes for `transfer` ("kernel", "bulk", "direct" or "staged"), and why."""
+        readable = transfer.indices.host_readable
+        descriptors, nbytes = copy_counts(transfer) if readable else (0, 0)
+        average = nbytes / descriptors if descriptors else 0
+        if transfer.background and average >= BACKGROUND_MIN_COPY_BYTES:
+            return "direct", f"off the caller's critical path, copies of {int(average) >> 10} KiB on average: the copy engines, no SM"
         if transfer.bytes < AUTO_MIN_BYTES:
             return "kernel", f"under {AUTO_MIN_BYTES >> 20} MiB: one launch is the least latency"
-        if not transfer.indices.host_readable:
+        if not readable:
             return "kernel", "indices the pool does not read on the host"
-        descriptors = nbytes = 0
-        for pair in transfer.pairs:
-            sizes = run_offsets(transfer.indices, pair, transfer.page_size)[2]
-            descriptors, nbytes = descriptors + sizes.size, nbytes + int(sizes.sum())
         bulk = "bulk" in self.movers and why_not_bulk(transfer) is None
-        average = nbytes / descriptors if descriptors else 0
         if average >= DIRECT_MIN_COPY_BYTES and (not bulk or descriptors <= DIRECT_MAX_COPIES_BESIDE_BULK
                                                  or average >= DIRECT_MIN_COPY_BYTES_BESIDE_BULK):
             return "direct", f"{descriptors} copies of {nbytes // descriptors >> 10} KiB on average: the copy engines, no SM"
         if bulk:
             return "bulk", "a few blocks beside the model, one launch a call"
-        prepared = self.movers["staged"].prepared(transfer)
-        if (prepared is not None and prepared.carried_by(self.rule)
-                and self.rule.auto_stages(transfer.to_device, prepared.batched_by(self.rule))):
+        staged = self.movers["staged"]
+        assert isinstance(staged, StagedMover)
+        copies = staged.copies(transfer)
+        if copies is not None and copies.carried_by(self.rule) and self.rule.auto_stages(transfer.to_device, copies.batched_by(self.rule)):
             return "staged", "long host runs: copy engines into staging, the kernel in device memory"
         return "kernel", "short runs: per-copy costs would exceed the kernel path's"
 
-    def move(self, transfer: Transfer) -> None:
-        self.bad_index.check()
-        chosen, self.last_reason = self.choice(transfer)
-        if chosen == "staged" and transfer.to_device and self.movers["staged"].backup_running():
-            chosen, self.last_reason = "kernel", "a staged backup of this pool still runs"
-        self.last_choice = chosen
-        self.movers[chosen].move(transfer)
+    def build(self, transfer: Transfer) -> Launch:
+        chosen, reason = self.choice(transfer)
+        launch = self.movers[chosen].build(transfer)
+        if launch.path == chosen or chosen == "kernel":  # else the path's own reason for handing it on stands
+            launch.reason = reason
+        if chosen == "staged" and transfer.to_device:
+            return AutoStaged(self.movers["staged"], launch, self.movers["kernel"], transfer)
+        return launch
 
-    def close(self) -> None:
-        for mover in self.parts:
-            mover.close()
+
+class AutoStaged(Launch):
+    """A staged load that takes the kernel path while a staged backup of its pool still runs."""
+
+    def __init__(self, staged: Mover, launch: Launch, kernel: Mover, transfer: Transfer) -> None:
+        assert isinstance(staged, StagedMover)
+        self.staged, self.launch, self.kernel, self.transfer = staged, launch, kernel, transfer
+        self.beside_backup: Launch | None = None
+        self.path, self.reason = launch.path, launch.reason
+
+    def run(self, layers: range, stream: int | None) -> None:
+        if self.staged.backup_running():
+            if self.beside_backup is None:
+                self.beside_backup = self.kernel.build(self.transfer)
+            self.path, self.reason = "kernel", "a staged backup of this pool still runs"
+            self.beside_backup.run(layers, stream)
+            return
+        self.path, self.reason = self.launch.path, self.launch.reason
+        self.launch.run(layers, stream)

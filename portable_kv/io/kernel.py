@@ -9,26 +9,22 @@ same kernel between a staging slot in device memory and the KV buffers (io/stage
 
 from __future__ import annotations
 
-import threading
 from typing import Protocol
 
 import torch
 
-from ..cache import IdentityCache
-from ..transfer import TensorPair, Transfer
-from .kernel_args import BLOCK, JobTemplate, LayerTables, PreparedLaunch
-from .mover import Mover
-
-PREPARED_KEPT = 4  # kernel io, per thread: a load and a backup interleaved, and a spare
-TEMPLATES_KEPT = 16  # job templates kept per mover: one per device pool (its tensor pairs) it moves to
+from ..transfer import Transfer
+from .kernel_args import BLOCK, KernelArgs, grid_size
+from .mover import Launch, Mover
+from .streams import MadeOn, Streams
 
 
 class Runtime(Protocol):
     """The vendor runtime calls a launch needs (backends/runtime.py)."""
 
     def bind_thread(self) -> None: ...
-    def current_stream(self) -> int: ...
     def launch(self, kernel: int, grid: int, block: int, params: int, stream: int) -> None: ...
+    def streams(self) -> Streams: ...
 
 
 class Launcher(Protocol):
@@ -37,71 +33,48 @@ class Launcher(Protocol):
     device: torch.device
     block_quota: int
     runtime: Runtime
-    layer_tables: LayerTables
 
     def kernels(self) -> dict[int, int]: ...
 
 
-class KernelMover(Mover):
-    """The copy kernel for one host pool, in either direction.
+class KernelLaunch(Launch):
+    """The copy kernel's arguments for one transfer: a call sets the layer and launches."""
 
-    An engine loads layer after layer with the same pools and indices, and interleaves
-    backups of other pages: a prepared launch per (pools, indices, direction, layer
-    count, block quota, stream, stream_device) is kept, per thread, since a call sets its
-    layer in the launch's arguments; a call then sets the layer and launches."""
+    path = "kernel"
+
+    def __init__(self, mover: KernelMover, transfer: Transfer, stream: int | None) -> None:
+        backend = mover.backend
+        self.runtime, self.backend, self.fixed_quota = backend.runtime, backend, mover.block_quota
+        # Indices on the device, copied on the stream of the call that builds the launch;
+        # a call on another stream waits for that copy once.
+        self.made = MadeOn(mover.streams, stream)
+        kernel_args = KernelArgs(transfer, transfer.indices.on(backend.device), transfer.flag.address)
+        kernel_args.args.stream_device = mover.stream_device
+        self.kernel_args, self.args, self.params = kernel_args, kernel_args.args, kernel_args.params
+        self.kernel = backend.kernels()[kernel_args.width]
+        self.quota, self.grid = 0, 1
+
+    def run(self, layers: range, stream: int | None) -> None:
+        self.runtime.bind_thread()
+        quota = self.fixed_quota or self.backend.block_quota  # assignable between calls
+        if quota != self.quota:
+            self.quota, self.grid = quota, grid_size(self.args.total_vecs, quota)
+        self.made.order(stream)
+        self.args.layer_begin = layers.start
+        self.runtime.launch(self.kernel, self.grid, BLOCK, self.params, stream)
+
+
+class KernelMover(Mover):
+    """The copy kernel for one host pool, in either direction."""
 
     io = "kernel"
 
-    def __init__(self, backend: Launcher, block_quota: int | None = None, stream_device: bool = False,
-                 kept: int = PREPARED_KEPT) -> None:
+    def __init__(self, backend: Launcher, block_quota: int | None = None, stream_device: bool = False) -> None:
         """`block_quota`: fixed, or None for the backend's, read each call (it may change between
-        calls); `stream_device`: stream the device-side writes (kv_copy.h); `kept`: launches
-        kept per thread."""
-        super().__init__(backend.device)
-        self.backend = backend
-        self.block_quota = block_quota
-        self.stream_device = stream_device
-        self.kept = kept
-        self._templates: IdentityCache[JobTemplate] = IdentityCache(TEMPLATES_KEPT)
-        # Per thread: .prepared, the launches by key, oldest first; .last, the latest one.
-        self._local = threading.local()
+        calls); `stream_device`: stream the device-side writes (kv_copy.h)."""
+        self.backend, self.block_quota, self.stream_device = backend, block_quota, stream_device
+        self.streams = backend.runtime.streams()
 
-    def move(self, transfer: Transfer) -> None:
-        self.bad_index.check()
-        backend, runtime, local = self.backend, self.backend.runtime, self._local
-        prepared: dict[tuple, PreparedLaunch] | None = getattr(local, "prepared", None)
-        if prepared is None:
-            runtime.bind_thread()
-            prepared = local.prepared = {}
-            local.last = None
-        stream = runtime.current_stream()
-        quota = self.block_quota or backend.block_quota
-        setting = (transfer.to_device, len(transfer.layers), quota, stream, self.stream_device)
-        launch = local.last
-        # The latest launch first: per-layer calls repeat it, and a call's host time is the budget.
-        if launch is None or launch.setting != setting or not launch.made_for(transfer):
-            launch = self._launch(prepared, transfer, setting)
-            local.last = launch
-        launch.args.layer_begin = transfer.layers.start
-        runtime.launch(launch.kernel, launch.grid, BLOCK, launch.params, stream)
-
-    def _launch(self, prepared: dict[tuple, PreparedLaunch], transfer: Transfer, setting: tuple) -> PreparedLaunch:
-        """The kept launch for `transfer` at `setting`, or a new one kept in place of the oldest."""
-        key = (id(transfer.indices), *map(id, transfer.pairs), *setting)
-        launch = prepared.get(key)
-        if launch is None or not launch.made_for(transfer):
-            _, _, quota, stream, stream_device = setting
-            launch = PreparedLaunch(transfer, self._template(transfer.pairs), self.bad_index.address, quota, stream, stream_device)
-            launch.kernel, launch.setting = self.backend.kernels()[launch.width], setting
-            prepared.pop(key, None)
-            prepared[key] = launch
-            while len(prepared) > self.kept:
-                del prepared[next(iter(prepared))]
-        return launch
-
-    def _template(self, pairs: tuple[TensorPair, ...]) -> JobTemplate:
-        return self._templates.get(pairs, lambda: JobTemplate(pairs, [self.backend.layer_tables.of(p.device) for p in pairs]))
-
-    def close(self) -> None:
-        self._templates.clear()
-        self._local = threading.local()  # every thread's prepared launches go with the old one
+    def build(self, transfer: Transfer) -> Launch:
+        self.backend.runtime.bind_thread()
+        return KernelLaunch(self, transfer, self.streams.current())

@@ -1,5 +1,5 @@
-"""What a copy kernel is given: the ctypes mirrors of kv_copy.h's structs, the per-pool
-job templates, prepared launches, the access width and the grid.  The C kernels take
+"""What a copy kernel is given: the ctypes mirrors of kv_copy.h's structs, the job templates
+and filled arguments of one transfer, the access width and the grid.  The C kernels take
 the structs; the Triton kernel takes the same numbers as scalars.
 """
 
@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import weakref
 from collections.abc import Sequence
 
 import torch
 
-from ..cache import IdentityCache
-from ..transfer import TensorPair, Transfer
+from ..transfer import LayerTable, TensorPair, Transfer
 
-LAYER_TABLES_KEPT = 64  # device address tables kept per backend: a few device pools, one per buffer of each
 # Tensor jobs in one launch (PkvCopyArgs.job): K and V; an MLA pool's one latent buffer leaves
 # the second empty (it starts at the last vector, so no vector is its).
 MAX_JOBS = 2
@@ -107,32 +104,10 @@ def grid_size(total_vecs: int, block_quota: int) -> int:
     return max(1, min(block_quota, -(-total_vecs // (BLOCK * UNROLL))))
 
 
-class LayerTable:
-    """Per-layer base addresses of an engine's device buffers, resident on the device.
-
-    It holds device addresses only, no host pool memory: a backend may keep it."""
-
-    def __init__(self, buffers: Sequence[torch.Tensor], device: torch.device) -> None:
-        addresses = [t.data_ptr() for t in buffers]
-        self.addresses = torch.tensor(addresses, dtype=torch.int64, device=device)
-        self.alignment = math.gcd(*addresses)
-
-
-class LayerTables:
-    """The layer tables of one backend's device, kept by the identity of an engine's buffers."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._tables: IdentityCache[LayerTable] = IdentityCache(LAYER_TABLES_KEPT)
-
-    def of(self, buffers: Sequence[torch.Tensor]) -> LayerTable:
-        return self._tables.get(buffers, lambda: LayerTable(buffers, self.device))
-
-
 class JobTemplate:
     """The kernel arguments that depend only on the host pool and the device buffers."""
 
-    def __init__(self, pairs: tuple[TensorPair, ...], tables: Sequence[LayerTable]) -> None:
+    def __init__(self, pairs: tuple[TensorPair, ...], tables: Sequence[LayerTable | None]) -> None:
         if not 1 <= len(pairs) <= MAX_JOBS:
             raise ValueError(f"pairs: the copy kernel moves 1 to {MAX_JOBS} buffers in one launch, got {len(pairs)}")
         self.tables = tuple(tables)  # keeps the address tables alive while the template is in use
@@ -157,21 +132,14 @@ class JobTemplate:
                 setattr(job, name, value)
 
 
-class PreparedLaunch:
-    """A kernel launch ready to go but for its layer: the struct the kernel takes
-    by value (the launch copies it at the call, so it may change after)."""
+class KernelArgs:
+    """The struct the kernel takes by value, filled for one transfer but for its layer (the
+    launch copies it at the call, so it may change after), and the access width it needs."""
 
-    def __init__(self, transfer: Transfer, template: JobTemplate, error_flag: int, block_quota: int, stream: int = 0,
-                 stream_device: bool = False) -> None:
-        # The pairs and indices are referred to weakly: a launch is reused only while they
-        # live (so the struct's addresses are theirs), and a kept launch never keeps an
-        # engine's dropped device pool alive.  It holds the index copies it points at, made
-        # on `stream`, the stream it runs on; work already enqueued needs no more, since
-        # torch's allocator reuses their memory in that stream's order.
-        self._pairs = tuple(weakref.ref(p) for p in transfer.pairs)
-        self._indices = weakref.ref(transfer.indices)
-        self.indices = transfer.indices.on(template.tables[0].addresses.device, stream)
+    def __init__(self, transfer: Transfer, indices: tuple[torch.Tensor, torch.Tensor], error_flag: int) -> None:
+        template = JobTemplate(transfer.pairs, [p.layer_table for p in transfer.pairs])
         self.template = template  # keeps the layer tables alive
+        self.indices = indices  # ... and the index copies the struct points at
         self.width = template.width
         self.args = CopyArgs()
         template.write(self.args)
@@ -183,21 +151,12 @@ class PreparedLaunch:
             args.job[job].vec_begin = begin
             begin += rows * (template.vecs_per_row[job] if job < len(template.vecs_per_row) else 0)
         args.total_vecs = begin
-        args.host_indices, args.device_indices = self.indices[0].data_ptr(), self.indices[1].data_ptr()
+        args.host_indices, args.device_indices = indices[0].data_ptr(), indices[1].data_ptr()
         args.tokens, args.layer_begin, args.layers = transfer.tokens, transfer.layers.start, len(transfer.layers)
         args.page_size = transfer.page_size
         # (an empty transfer has no vectors, so nothing divides by its 0 tokens)
         for name, value in (_divisor_fields("tokens", max(transfer.tokens, 1)) | _divisor_fields("page", transfer.page_size)).items():
             setattr(args, name, value)
         args.to_device = transfer.to_device
-        args.stream_device = stream_device
-        self.grid = grid_size(args.total_vecs, block_quota)
         self._param_array = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         self.params = ctypes.addressof(self._param_array)
-        self.kernel = 0  # the entry point of self.width, set by the mover
-        self.setting: tuple = ()  # what else it was prepared for (direction, layers, quota, stream, ...), set by the mover
-
-    def made_for(self, transfer: Transfer) -> bool:
-        """Whether this launch was prepared for `transfer`'s pairs and indices, which still live."""
-        return (self._indices() is transfer.indices and len(self._pairs) == len(transfer.pairs)
-                and all(ref() is pair for ref, pair in zip(self._pairs, transfer.pairs)))

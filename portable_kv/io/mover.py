@@ -1,20 +1,26 @@
-"""The one interface every io path implements (Mover), and the flag they raise through."""
+"""The interface every io path implements: a mover turns a transfer into a launch once, and
+the plan that owns the launch runs it on each call (plan.py).
+
+A mover is a strategy: it keeps nothing about a transfer.  What a call needs again (kernel
+arguments, a bulk piece list, copy descriptors, a staging schedule) is built into the
+`Launch` it returns, which the transfer's plan keeps; the launch says which path it takes
+and why, where that is not the path asked for.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import torch
 
 from ..config import IO_PATHS
 from ..transfer import Transfer
 
-__all__ = ["IO_PATHS", "BadIndexFlag", "Mover", "MoverFactory", "share_flag"]
+__all__ = ["IO_PATHS", "BadIndexFlag", "Launch", "Mover"]
 
 
 class BadIndexFlag:
-    """Set when a mover skips a token whose index is outside its pool.
+    """Set when a launch skips a token whose index is outside its pool: one per host pool.
 
     It lives in page-locked, mapped host memory on a GPU, so a kernel sets it and
     the host reads it without synchronising; the next call turns it into an error.
@@ -40,11 +46,19 @@ class BadIndexFlag:
             )
 
 
-class Mover(ABC):
-    """One io path of one host pool: enqueues validated transfers on the current stream.
+class Launch(ABC):
+    """One transfer on one io path, direction and layer span, ready but for its layer and stream."""
 
-    A mover is owned by one host pool; everything it keeps for that pool (prepared
-    launches, job templates, staging memory, side streams) goes with it, or with close()."""
+    path: str  # the path that moves the bytes: auto, bulk and staged may hand a transfer to another
+    reason: str = ""  # why that path, where it is not the one asked for
+
+    @abstractmethod
+    def run(self, layers: range, stream: int | None) -> None:
+        """Enqueue the transfer for `layers` (as many as it was built for) on `stream`."""
+
+
+class Mover(ABC):
+    """One io path of one host pool: builds launches; the pool's io context owns it."""
 
     io: str  # one of IO_PATHS
     # How it reads a host buffer: by its strides and base address (the copy kernels), or by
@@ -52,24 +66,9 @@ class Mover(ABC):
     # miniatures to match.
     reads_strides: bool = True
 
-    def __init__(self, device: torch.device) -> None:
-        self.bad_index = BadIndexFlag(device)
-
     @abstractmethod
-    def move(self, transfer: Transfer) -> None:
-        """Enqueue one validated transfer; raises first if an earlier transfer skipped a bad index."""
+    def build(self, transfer: Transfer) -> Launch:
+        """The launch of one validated transfer."""
 
-    @abstractmethod
     def close(self) -> None:
-        """Drop every per-pool cache (idempotent); the mover may be used again after."""
-
-
-MoverFactory = Callable[[], Mover]
-
-
-def share_flag(flag: BadIndexFlag, *movers: Mover) -> None:
-    """One bad-index flag for a mover and the movers it delegates to: whichever skipped
-    a token, the pool's next call raises."""
-    for mover in movers:
-        mover.bad_index = flag
-        share_flag(flag, *getattr(mover, "parts", ()))
+        """Drop what the path holds for its pool (staging memory, side streams); idempotent."""

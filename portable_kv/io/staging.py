@@ -1,6 +1,6 @@
-"""Staging memory, and a staged plan made ready for it: the staging slots (Slot), and
-what each call reuses of a plan (Prepared): its copies as lists, each chunk's
-staging-local indices, each slot's staging views and batched copies.
+"""Staging memory, and a staging schedule made ready for it: the staging slots (Slot),
+and what each call reuses of a schedule (StagedCopies): its copies as lists, each
+chunk's staging-local indices, each slot's staging views and batched copies.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import torch
 from ..indices import IndexPair
 from ..layout import chunking
 from ..transfer import TensorPair, Transfer, tensor_pair
-from .engine import CopyBatch
-from .staged_plan import Copies, StagedPlan, StagingRule, miniature
+from .copier import CopyBatch
+from .staging_schedule import Copies, StagingRule, StagingSchedule, miniature
 from .streams import Streams
 
-BATCHES_KEPT = 1024  # a plan's batched copies per (chunk, slot, layer): 61 layers of a 8-chunk load
 _generations = itertools.count(1)
 
 
@@ -32,11 +31,11 @@ class Slot:
         self.generation = next(_generations)  # the staging views made for this buffer carry it
 
 
-class Prepared:
-    """A staged plan with what each call reuses."""
+class StagedCopies:
+    """A staging schedule with what each call reuses, kept in its plan's launch."""
 
-    def __init__(self, staged: StagedPlan, transfer: Transfer) -> None:
-        self.plan = staged
+    def __init__(self, staged: StagingSchedule, transfer: Transfer) -> None:
+        self.schedule = staged
         fields = ("host", "staging", "width", "height", "host_pitch", "staging_pitch")
         self.copies = tuple(tuple(getattr(c, f).tolist() for f in fields) for c in staged.copies)
         self.ends = tuple([0, *c.chunk_ends.tolist()] for c in staged.copies)
@@ -52,18 +51,18 @@ class Prepared:
         self._batches: dict[tuple[int, int, int], CopyBatch] = {}
 
     def carried_by(self, rule: StagingRule) -> bool:
-        """`rule.carries(self.plan)`, answered once per rule: its numpy reductions would
+        """`rule.carries(self.schedule)`, answered once per rule: its numpy reductions would
         otherwise delay each call's first copy."""
         carried = self._carried.get(rule)
         if carried is None:
-            carried = self._carried[rule] = rule.carries(self.plan)
+            carried = self._carried[rule] = rule.carries(self.schedule)
         return carried
 
     def batched_by(self, rule: StagingRule) -> bool:
-        """`rule.batches(self.plan)`, answered once per rule."""
+        """`rule.batches(self.schedule)`, answered once per rule."""
         batched = self._batched.get(rule)
         if batched is None:
-            batched = self._batched[rule] = rule.batches(self.plan)
+            batched = self._batched[rule] = rule.batches(self.schedule)
         return batched
 
     def pairs(self, slot: Slot, transfer: Transfer, reads_strides: bool) -> tuple[TensorPair, ...]:
@@ -74,12 +73,12 @@ class Prepared:
         oracle indexes a layout-shaped tensor of the staged layers only."""
         pairs = self._pairs.get(slot.generation)
         if pairs is None:
-            pages, layers = self.plan.chunk_tokens // transfer.page_size, self.plan.layers
+            pages, layers = self.schedule.chunk_tokens // transfer.page_size, self.schedule.layers
             made = []
-            for pair, strides, offset in zip(transfer.pairs, self.plan.staging, self.plan.offsets):
+            for pair, strides, offset in zip(transfer.pairs, self.schedule.staging, self.schedule.offsets):
                 storage = slot.buffer[offset:]
                 if reads_strides:
-                    tensor = storage[: self.plan.chunk_tokens * layers * pair.device_token_bytes].view(pair.host.dtype)
+                    tensor = storage[: self.schedule.chunk_tokens * layers * pair.device_token_bytes].view(pair.host.dtype)
                     made.append(replace(pair, host=tensor, strides=strides, chunks=chunking(strides), registration_tokens=0))
                 else:
                     head_dim = strides.row_bytes // pair.host.element_size()
@@ -88,19 +87,15 @@ class Prepared:
             pairs = self._pairs[slot.generation] = tuple(made)
         return pairs
 
-    def batch(self, chunk: int, slot: Slot, transfer: Transfer) -> CopyBatch:
-        """`chunk`'s rows as one batch of 1-D copies between the host pool and `slot`, for
-        the transfer's first layer: made once per (chunk, slot, layer), so that a call
-        enqueues them without building them."""
-        key = (chunk, slot.generation, transfer.layers.start)
+    def batch(self, chunk: int, slot: Slot, transfer: Transfer, layer: int) -> CopyBatch:
+        """`chunk`'s rows as one batch of 1-D copies between the host pool and `slot`, from
+        `layer` on: made once per (chunk, slot, layer), so that a call enqueues them without
+        building them."""
+        key = (chunk, slot.generation, layer)
         batch = self._batches.get(key)
         if batch is None:
-            if len(self._batches) >= BATCHES_KEPT:
-                self._batches.clear()
-            which, host, staging, sizes = self.rows(chunk)
-            layer = transfer.layers.start
             host_bases = np.array([p.host.data_ptr() + layer * p.strides.layer for p in transfer.pairs], np.int64)
-            staging_bases = np.array([slot.address + offset for offset in self.plan.offsets], np.int64)
+            staging_bases = np.array([slot.address + offset for offset in self.schedule.offsets], np.int64)
             host, staging = (host + host_bases[which]).astype(np.uint64), (staging + staging_bases[which]).astype(np.uint64)
             sizes = sizes.astype(np.uint64)
             batch = CopyBatch(staging, host, sizes) if transfer.to_device else CopyBatch(host, staging, sizes)
@@ -112,8 +107,8 @@ class Prepared:
         position, host offset without the layer term, offset in the tensor's staging, bytes)."""
         if self._rows is None:
             made = []
-            for c in range(len(self.plan.chunks)):
-                parts = [_rows_of(copies, ends[c], ends[c + 1]) for copies, ends in zip(self.plan.copies, self.ends)]
+            for c in range(len(self.schedule.chunks)):
+                parts = [_rows_of(copies, ends[c], ends[c + 1]) for copies, ends in zip(self.schedule.copies, self.ends)]
                 made.append((np.repeat(np.arange(len(parts)), [p[0].size for p in parts]),
                              *(np.concatenate([p[n] for p in parts]) for n in range(3))))
             self._rows = tuple(made)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -37,6 +38,7 @@ class EventRuntime(Protocol):
     def event_synchronize(self, event: int) -> None: ...
     def event_done(self, event: int) -> bool: ...
     def event_destroy(self, event: int) -> None: ...
+    def event_elapsed(self, start: int, end: int) -> float: ...
 
 
 class Event:
@@ -44,8 +46,8 @@ class Event:
 
     __slots__ = ("handle", "__weakref__")
 
-    def __init__(self, runtime: EventRuntime) -> None:
-        self.handle = runtime.event_create()
+    def __init__(self, runtime: EventRuntime, timing: bool = False) -> None:
+        self.handle = runtime.event_create(timing)
         weakref.finalize(self, runtime.event_destroy, self.handle)
 
 
@@ -77,8 +79,13 @@ class DeviceStreams:
         """A context in which `stream` (a side stream of this thread's) is torch's current stream."""
         return torch.cuda.stream(self._local.streams[stream])
 
-    def event(self) -> Event:
-        return Event(self.runtime)
+    def event(self, timing: bool = False) -> Event:
+        """A new event; `timing`: one that `elapsed` can read (recording it costs a little more)."""
+        return Event(self.runtime, timing)
+
+    def elapsed(self, start: Event, end: Event) -> float:
+        """Seconds of device time between two completed timing events."""
+        return self.runtime.event_elapsed(start.handle, end.handle)
 
     @staticmethod
     def handle(stream: int) -> int:
@@ -137,15 +144,22 @@ class InlineStreams:
     def using(stream: None) -> contextlib.nullcontext:
         return contextlib.nullcontext()
 
-    def event(self) -> None:
-        return None
+    @staticmethod
+    def event(timing: bool = False) -> list[float] | None:
+        """None; a timing event is the host clock at its record, as every call completes before it returns."""
+        return [0.0] if timing else None
+
+    @staticmethod
+    def elapsed(start: list[float], end: list[float]) -> float:
+        return end[0] - start[0]
 
     def handle(self, stream: None) -> int:
         return self._handle()
 
     @staticmethod
-    def record(event: None, stream: None) -> None:
-        return None
+    def record(event: list[float] | None, stream: None) -> None:
+        if event is not None:
+            event[0] = time.perf_counter()
 
     @staticmethod
     def wait(stream: None, event: None) -> None:
@@ -169,3 +183,19 @@ class InlineStreams:
 
 
 Streams = DeviceStreams | InlineStreams
+
+
+class MadeOn:
+    """Device data a launch made on one stream (index copies, piece lists): another stream
+    waits for it once, before its first use there."""
+
+    __slots__ = ("_streams", "_event", "_seen")
+
+    def __init__(self, streams: Streams, stream: Any) -> None:
+        self._streams, self._event, self._seen = streams, streams.event(), {stream}
+        streams.record(self._event, stream)
+
+    def order(self, stream: Any) -> None:
+        if stream not in self._seen:
+            self._streams.wait(stream, self._event)
+            self._seen.add(stream)

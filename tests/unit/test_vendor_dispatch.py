@@ -15,7 +15,7 @@ from portable_kv.backends import base, cuda, rocm
 from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError, check
 from portable_kv.io import direct as dma
 from portable_kv.io import kernel_args as ka
-from portable_kv.io.engine import CopyBatch
+from portable_kv.io.copier import CopyBatch
 
 STREAM = FAKE_STREAM
 

@@ -27,7 +27,8 @@ from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from ...allocator import PageRunAllocator
 from .mla import SGLangMLAHostPool
 from .pool import fallback_builder
-from .slots import HostSlots, SlotRows, SlotRowsHostPool
+from .slots import SlotRows, SlotRowsHostPool
+from .surface import HostSlots
 
 
 def indexer_unsupported_reason(decl: Any, anchor_host: Any, is_dummy: bool = False) -> str | None:

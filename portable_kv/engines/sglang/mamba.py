@@ -29,7 +29,8 @@ from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from ...allocator import PageRunAllocator
 from ...host_memory import check_available
 from .pool import fallback_builder
-from .slots import HostSlots, SlotRows, SlotRowsHostPool, contiguous_slots
+from .slots import SlotRows, SlotRowsHostPool, contiguous_slots
+from .surface import HostSlots, PhysicalNames
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def state_unsupported_reason(buffer_info: Any, layout: str = "page_first_direct"
     return None
 
 
-class SGLangStateHostPool(HostSlots, MambaPoolHost):
+class SGLangStateHostPool(HostSlots, PhysicalNames, MambaPoolHost):
     """Recurrent state checkpoints in host memory, one slot per request checkpoint, each state tensor a `SlotRowsHostPool`.
 
     Sized as SGLang sizes its Mamba pool (``int(device_capacity * ratio)``
@@ -180,14 +181,6 @@ class SGLangStateHostPool(HostSlots, MambaPoolHost):
         """D2H, every layer of every state: the target's from `device_pool`, each packed draft's from its own pool."""
         for state, rows in zip(self._states, self._rows_of(device_pool)):
             state.backup_from_device_all_layer(rows, host_indices, device_indices, io_backend)
-
-    def load_to_device_per_layer_physical(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
-                                          io_backend: str | None = "kernel", *, is_draft: bool = False) -> None:
-        self.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
-
-    def backup_from_device_all_layer_physical(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                                              io_backend: str | None = "kernel") -> None:
-        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
 
     # -- pages for L3 tiers -------------------------------------------------------------
 

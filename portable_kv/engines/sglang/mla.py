@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation, MLATokenToKVPo
 from ...device_pool import MLADevicePool
 from ...mla import MLAHostPool
 from .pool import SGLangPool, check_layer_bounds, fallback_builder
+from .surface import MLASurface
 
 # SGLang's MLA layouts that stay SGLang's: page_unified (no SGLang transfer moves it)
 # and page_first_kv_split (Ascend NPUs' split latent and indexer buffers).
@@ -54,7 +55,7 @@ def mla_unsupported_reason(buffer_info: Any, layout: str = "", draft_buffer_info
     return None
 
 
-class SGLangMLAHostPool(SGLangPool, MLAHostPool, MLATokenToKVPoolHost):
+class SGLangMLAHostPool(SGLangPool, MLASurface, MLAHostPool, MLATokenToKVPoolHost):
     """An MLAHostPool built from SGLang's MLA host-pool constructor arguments.
 
     Sized as SGLang sizes its pool; `kv_buffer` is one tensor in SGLang's shape

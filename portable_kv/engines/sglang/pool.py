@@ -20,6 +20,7 @@ import torch
 
 from ... import config
 from ...device_pool import MHA, DeviceKVPool, MLADevicePool, PoolKind
+from .surface import SGLangSurface
 
 SGLANG_IO_CHOICES = config.SGLANG_IO_CHOICES  # what SGLang's `--hicache-io-backend` offers for host pools on GPUs
 
@@ -72,7 +73,7 @@ def fallback_builder(pool_class: type, sglang_class: type, reason: Callable[[dic
     return build_host_pool
 
 
-class SGLangPool:
+class SGLangPool(SGLangSurface):
     """A host pool built from SGLang's constructor arguments, with its packed drafts.
 
     MTP drafts (`draft_buffer_infos`, one layer each) are packed after the
@@ -124,6 +125,7 @@ class SGLangPool:
         self.pool_label = pool_label
         self.allocator_type = allocator_type
         self.device_capacity_tokens = device_capacity_tokens
+        self._init_slots()
 
     # -- transfers as SGLang calls them ------------------------------------------------
 
@@ -142,7 +144,7 @@ class SGLangPool:
             return
         else:
             device_pool = self._with_target(device_pool, layers)
-        self._transfer(device_pool, host_indices, device_indices, layers, True, self._io(io_backend))
+        self._transfer(device_pool, host_indices, device_indices, layers, True, self._io(io_backend), False)
 
     def load_to_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str | None = None) -> None:
         super().load_to_device_all_layer(self._with_target(device_pool), host_indices, device_indices, self._io(io_backend))

@@ -40,27 +40,6 @@ def slot_rows(layer: torch.Tensor) -> torch.Tensor:
     return layer.view(layer.shape[0], 1, -1)
 
 
-class HostSlots:
-    """The slot half of SGLang's state and indexer host-pool contract (clear, available_size,
-    alloc, free), answered by the pool's own `PageRunAllocator` (`_slots`).  Placed before
-    SGLang's class in the bases, so that these come first in the MRO."""
-
-    _slots: Any
-
-    def clear(self) -> None:
-        self._slots.clear()
-
-    def available_size(self) -> int:
-        return self._slots.available_size()
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        """`need_size` free slots (whole pages) as a CPU int64 tensor, or None."""
-        return self._slots.alloc(need_size)
-
-    def free(self, indices: torch.Tensor) -> int:
-        return self._slots.free(indices)
-
-
 def contiguous_slots(tensor: torch.Tensor) -> bool:
     """Whether each layer of a (layers, slots, ...) tensor is contiguous rows of slots (not views into a shared envelope)."""
     return all(layer.is_contiguous() for layer in tensor.unbind(0)) if tensor.shape[0] else True

@@ -129,6 +129,7 @@ class HostTier:
         # Per group: the pools its layers use, and which layers of each (all of a pool's: one all-layer call).
         self.group_layers: list[dict[int, tuple[int, ...]]] = []
         self.group_bytes: list[int] = []  # bytes a block of the group moves, counted per reference as vLLM counts them
+        self.group_tensors = [tuple(ref.tensor_idx for ref in refs) for refs in kv_caches.group_data_refs]
         for refs in kv_caches.group_data_refs:
             layers: dict[int, set[int]] = {}
             for ref in refs:
@@ -136,6 +137,19 @@ class HostTier:
                 layers.setdefault(slot.pool, set()).add(slot.layer)
             self.group_layers.append({pool: tuple(sorted(ls)) for pool, ls in layers.items()})
             self.group_bytes.append(sum(ref.page_size_bytes for ref in refs))
+
+    def layer_slots(self, group_layer_names: Sequence[Sequence[str]]) -> dict[str, tuple[Slot, ...]]:
+        """Where each named layer's KV lives, given each group's layer names in vLLM's order (its connector
+        worker makes one reference a layer, in that order).  A group with fewer references than layers
+        (one tensor holding every layer's block, as packed layouts do) gives each layer all of them."""
+        if len(group_layer_names) != len(self.group_tensors):
+            raise ValueError(f"group_layer_names: expected {len(self.group_tensors)} groups, got {len(group_layer_names)}")
+        slots: dict[str, tuple[Slot, ...]] = {}
+        for names, tensors in zip(group_layer_names, self.group_tensors):
+            for i, name in enumerate(names):
+                mine = (tensors[i],) if len(tensors) == len(names) else tensors
+                slots[name] = tuple(dict.fromkeys(slots.get(name, ()) + tuple(self.slots[t] for t in mine)))
+        return slots
 
     def chunk_view(self, tensor_idx: int) -> torch.Tensor:
         """Tensor `tensor_idx`'s host copy: `(num_chunks, blocks_per_chunk * page_bytes)` uint8, a view of host memory."""

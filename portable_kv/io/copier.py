@@ -1,9 +1,9 @@
-"""The copy engine: what copies bytes between host and device memory and orders the
-streams those copies run on.
+"""The copier: what copies bytes between host and device memory (a GPU's copy engines, or
+memmove) and orders the streams those copies run on.
 
 One small interface, implemented by each vendor runtime (backends/runtime.py under
-cuda.py and rocm.py) and by the host (backends/host.py), so that an io path takes
-one engine and runs on any of them: the direct path hands it batches, the staged
+cuda.py and rocm.py) and by the host (backends/memmove.py), so that an io path takes
+one copier and runs on any of them: the direct path hands it batches, the staged
 path 1-D batches and 2-D copies and its streams.
 """
 
@@ -35,7 +35,7 @@ class CopyBatch:
         return CopyBatch(self.dst[begin:end], self.src[begin:end], self.sizes[begin:end])
 
 
-class CopyEngine(ABC):
+class Copier(ABC):
     """Copies in 1-D, 2-D and batched form on a stream, and the streams' order."""
 
     device: torch.device
@@ -64,11 +64,11 @@ class CopyEngine(ABC):
 
     @abstractmethod
     def streams(self) -> Streams:
-        """New side streams and events over this engine, for one mover."""
+        """New side streams and events over this copier, for one mover."""
 
     @abstractmethod
     def register_host(self, address: int, nbytes: int) -> int:
-        """Page-lock and map an existing host range for the engine; returns its device address."""
+        """Page-lock and map an existing host range for the copier; returns its device address."""
 
     @abstractmethod
     def unregister_host(self, address: int) -> None:
@@ -76,4 +76,4 @@ class CopyEngine(ABC):
 
     @abstractmethod
     def direct_mover(self) -> Mover:
-        """A new direct-io mover over this engine, for one host pool."""
+        """A new direct-io mover over this copier, for one host pool."""

@@ -1,5 +1,5 @@
-"""The staged path's plan: host runs -> 1-D/2-D copies between a host pool and a
-staging miniature of it, in chunks; and the rule of when staging carries a plan well.
+"""The staged path's schedule: host runs -> 1-D/2-D copies between a host pool and a
+staging miniature of it, in chunks; and the rule of when staging carries a schedule well.
 
 The staged io path moves the host side of a transfer with a few large copies
 (copy engines) and the device side with the copy kernel working between a
@@ -16,7 +16,7 @@ with the same shape on both sides, and that region is one 2-D copy (rows of
   page stride); all layers, one row;
 - page_head: all layers, one row; per-layer rows are one head's row (tiny).
 
-Pure numpy, no device: the CPU backend runs the same plan with memmove.
+Pure numpy, no device: the CPU backend runs the same schedule with memmove.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class Copies:
 
 
 @dataclass(frozen=True)
-class StagedPlan:
+class StagingSchedule:
     """How one transfer goes through staging: its chunks and, for each buffer, the staging
     miniature's strides, where it starts in a slot, and the copies."""
 
@@ -235,8 +235,8 @@ def copies(host: HostStrides, staging: HostStrides, page_size: int, page_major: 
 
 
 def build(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layers: range, layer_count: int,
-         slot_bytes: int, to_device: bool = True) -> StagedPlan | None:
-    """The staged plan of a transfer, or None where staging cannot carry it (a page layout's
+         slot_bytes: int, to_device: bool = True) -> StagingSchedule | None:
+    """The staging schedule of a transfer, or None where staging cannot carry it (a page layout's
     indices that are not whole pages, layers that are neither one nor all from 0, or not one
     page fitting a slot).  `pairs` are transfer.TensorPair (K, V; or the latent): their host
     buffers, strides and registration pieces (runs are cut where any one's piece ends)."""
@@ -266,7 +266,7 @@ def build(host_idx: np.ndarray, pairs: tuple, layout: str, page_size: int, layer
     chunk_of_run = np.searchsorted(bounds, starts, side="right") - 1
     runs = tuple(copies(p.strides, s, page_size, major, host_idx[starts], starts - bounds[chunk_of_run], lengths,
                         staged_layers, chunk_of_run, len(chunks)) for p, s, major in zip(pairs, staging, page_major))
-    return StagedPlan(chunk, chunks, staged_layers, staging, tuple(offsets), slot, runs)
+    return StagingSchedule(chunk, chunks, staged_layers, staging, tuple(offsets), slot, runs)
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ class StagingRule:
     auto_batched_loads: bool = True
     auto_backups: bool = True
 
-    def carries(self, staged: StagedPlan) -> bool:
+    def carries(self, staged: StagingSchedule) -> bool:
         return staged.copy_count == 0 or (staged.min_width >= self.min_row_bytes and staged.mean_copy_bytes >= self.min_copy_bytes)
 
     def auto_stages(self, to_device: bool, batched: bool) -> bool:
@@ -297,7 +297,7 @@ class StagingRule:
             return self.auto_backups
         return self.auto_batched_loads if batched else self.auto_loads
 
-    def batches(self, staged: StagedPlan) -> bool:
+    def batches(self, staged: StagingSchedule) -> bool:
         rows = sum(int(c.height.sum()) for c in staged.copies)
         return rows > 0 and sum(c.bytes for c in staged.copies) >= rows * self.batch_row_bytes
 
@@ -305,4 +305,4 @@ class StagingRule:
 # The GPUs' rule: staged loads as 2-D copies did not beat the kernel path; batched ones did.
 LINK_RULE = StagingRule(auto_loads=False)
 # The CPU backend models the path to run its planning in CI: it stages whatever staging can carry.
-EVERY_PLAN = StagingRule(0, 0)
+EVERY_SCHEDULE = StagingRule(0, 0)

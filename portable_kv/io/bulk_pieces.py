@@ -1,4 +1,4 @@
-"""The `bulk` io path's plan: a transfer's copies laid end to end and cut into stages.
+"""The `bulk` io path's piece list: a transfer's copies laid end to end and cut into stages.
 
 The direct path's copies of one layer (runs consecutive on both sides, merged:
 direct.layer_copies), K's then V's, are laid end to end in one stream of bytes,
@@ -6,11 +6,11 @@ and the stream is cut into stages of `stage_bytes`, each one shared-memory buffe
 full: a copy that crosses a stage boundary becomes two pieces.  A kernel block
 moves a stage with one barrier: every piece of it is fetched into the buffer at
 once (bulk copies on sm_90), then stored out.  Every stage but the last is full,
-so a block's buffers hold as many bytes in flight as they can.  The plan does
-not depend on the layer, so one plan serves every per-layer call of an engine's
+so a block's buffers hold as many bytes in flight as they can.  The piece list does
+not depend on the layer, so one list serves every per-layer call of an engine's
 load, and the kernel adds the layer's terms (kv_bulk.h).  Everything is
-vectorised: the plan of a 1,356-page load is built in milliseconds, once per
-index pair.
+vectorised: the pieces of a 1,356-page load take milliseconds, once per
+plan and direction.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ STAGE_BYTES = 32 << 10  # one stage, one shared-memory buffer
 PIECE_FIELDS = 5
 
 
-class BulkPlan(NamedTuple):
+class BulkPieces(NamedTuple):
     """A transfer's pieces and stages, layer-independent, as the kernel reads them."""
 
     pieces: np.ndarray  # (n, PIECE_FIELDS) int64, in stage order
@@ -57,13 +57,8 @@ def why_not_bulk(transfer: Transfer) -> str | None:
     return None
 
 
-def bulk_plan(transfer: Transfer, stage_bytes: int = STAGE_BYTES) -> BulkPlan:
-    """The plan of `transfer`'s pairs (K then V, or the latent), kept with its indices."""
-    key = ("bulk plan", stage_bytes, transfer.page_size)
-    return transfer.indices.known((transfer.pairs,), key, lambda: _build(transfer, stage_bytes))
-
-
-def _build(transfer: Transfer, stage_bytes: int) -> BulkPlan:
+def bulk_pieces(transfer: Transfer, stage_bytes: int = STAGE_BYTES) -> BulkPieces:
+    """The pieces of `transfer`'s pairs (K then V, or the latent), layer-independent."""
     host_parts, device_parts, size_parts, job_parts = [], [], [], []
     skipped = False
     for job, pair in enumerate(transfer.pairs):
@@ -88,4 +83,4 @@ def _build(transfer: Transfer, stage_bytes: int) -> BulkPlan:
     stage_first = np.searchsorted(stage, np.arange(stages + 1)).astype(np.int64)
     total = int(size.sum())
     filled = np.minimum(stage_bytes, total - np.arange(stages, dtype=np.int64) * stage_bytes)
-    return BulkPlan(np.ascontiguousarray(pieces, dtype=np.int64), stage_first, filled, stage_bytes, skipped)
+    return BulkPieces(np.ascontiguousarray(pieces, dtype=np.int64), stage_first, filled, stage_bytes, skipped)

@@ -1,5 +1,5 @@
-"""The host's copy engine: memmove on the CPU, where every copy is done when its call
-returns, so the direct and staged paths' plans run in CI exactly as on a GPU."""
+"""The host's copier: memmove on the CPU, where every copy is done when its call returns,
+so the direct and staged paths' descriptors and schedules run in CI exactly as on a GPU."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import ctypes
 
 import torch
 
+from ..io.copier import Copier
 from ..io.direct import DirectMover
-from ..io.engine import CopyEngine
 from ..io.mover import Mover
 from ..io.streams import InlineStreams, Streams
 
 
-class HostEngine(CopyEngine):
+class Memmove(Copier):
     """memmove, one stream, nothing to order and nothing to page-lock."""
 
     device = torch.device("cpu")

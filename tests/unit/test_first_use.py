@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import logging
 import os
 import subprocess
@@ -154,3 +155,51 @@ def test_page_meta_calls_refuse_indices_without_dense_data_by_name(call, indices
         expected = "dense (strided) tensor, got layout torch.sparse_coo" if indices == "sparse" else "on the meta device"
         assert str(raised.value).startswith("indices: expected ") and expected in str(raised.value), raised.value
         assert getattr(host, call)(tokens, *args[1:])  # the same pages, dense, are served
+
+
+def cpu_bench(*argv: str) -> int:
+    from portable_kv.cli import main
+
+    before = backends.current().name
+    try:
+        return main(["bench", "--page-size", "4", "--pages", "4", "--reps", "2", "--backends", "cpu", "--mla-dim", "0", *argv])
+    finally:
+        backends.use(before)
+
+
+@pytest.mark.parametrize("flag, value, minimum", [("--draws", "-1", 1), ("--layers", "0", 1), ("--reps", "-2", 0)])
+def test_a_bench_count_out_of_range_is_named_alone(capsys, flag, value, minimum):
+    assert cpu_bench("--quick", flag, value) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"portable-kv bench: {flag}: expected an integer >= {minimum}, got {value} "), err
+    assert sum(other in err[0] for other in ("--draws", "--layers", "--reps")) == 1, err  # the valid flags are not listed
+
+
+def test_a_quick_bench_reports_the_layers_and_repetitions_it_used(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert cpu_bench("--quick", "--section", "host-cost", "--reps", "0", "--json", str(path)) == 0
+    used = json.loads(path.read_text())["meta"]["args"]
+    assert (used["layers"], used["mla_layers"], used["reps"], used["quick"]) == (8, 8, 5, True)
+    assert cpu_bench("--section", "host-cost", "--layers", "3", "--reps", "2", "--json", str(path)) == 0
+    used = json.loads(path.read_text())["meta"]["args"]
+    assert (used["layers"], used["mla_layers"], used["reps"]) == (3, 61, 2)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--markdown"])
+def test_a_bench_output_into_a_missing_directory_is_refused_before_measuring(tmp_path, capsys, flag):
+    target = tmp_path / "no such dir" / "bench.out"
+    assert cpu_bench("--quick", flag, str(target)) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"portable-kv bench: {flag}: the directory {str(target.parent)!r} "), err
+    assert "does not exist" in err[0]
+    assert "[bench]" not in captured.err + captured.out  # nothing was measured
+    assert cpu_bench("--quick", flag, str(tmp_path)) == 2
+    assert f"{flag}: expected a file path, got the directory" in capsys.readouterr().err
+
+
+def test_a_bench_usage_error_is_one_line_with_status_2():
+    run = subprocess.run([sys.executable, "-m", "portable_kv", "bench", "--draws", "x"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines() == ["portable-kv bench: error: argument --draws: invalid int value: 'x' "
+                                       "(`portable-kv bench --help` lists the arguments)"]

@@ -2,13 +2,18 @@
 arch, compiler and its version, defines); its hash is the cache key; a code object is
 taken from a prebuilt directory if one was built for the same sources and arch, else
 from the on-disk cache, else compiled once and cached; then the runtime loads it.
+A compile holds a lock file beside its cache entry, so processes starting
+together (tensor-parallel ranks of one node) compile once and read the result.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +24,10 @@ COMMON_KERNEL_DIR = PACKAGE_DIR / "kernels_common"
 COMMON_HEADER = COMMON_KERNEL_DIR / "kv_copy.h"
 BULK_HEADER = COMMON_KERNEL_DIR / "kv_bulk.h"  # the bulk io path's plan walk, in the same code object
 COMMON_HEADERS = (COMMON_HEADER, BULK_HEADER)
+# How long a process waits for another one's compile of the same kernel: far above a cold
+# NVRTC or hiprtc build, short of a job that never starts.
+LOCK_WAIT_S = 600.0
+LOCK_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,11 @@ class KernelSpec:
         cached = self.cache_path()
         if cached.is_file():
             return cached.read_bytes()
-        image = compile(self)
-        write_atomic(cached, image)
+        with file_lock(cached.with_name(f".{cached.name}.lock")):
+            if cached.is_file():  # another process compiled it while this one waited
+                return cached.read_bytes()
+            image = compile(self)
+            write_atomic(cached, image)
         return image
 
 
@@ -83,6 +95,29 @@ def prebuilt_dirs() -> list[Path]:
     `portable-kv build`'s default output in the kernel cache, then the package's own."""
     extra = config.PREBUILT.raw()
     return ([Path(extra)] if extra else []) + [config.cache_dir() / "prebuilt", PACKAGE_DIR / "prebuilt"]
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path`, waiting up to LOCK_WAIT_S; the kernel drops it if the holder dies,
+    so a lock file left behind blocks nobody."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as handle:  # append: never truncates a file another process holds
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"kernel cache: waited {LOCK_WAIT_S:g} s for the lock file {path}, held by a process compiling the same "
+                                       f"kernel; if none runs, set {config.CACHE.name} to a local directory (a network file system may not "
+                                       "release locks)") from None
+                time.sleep(LOCK_POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

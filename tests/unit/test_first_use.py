@@ -7,9 +7,11 @@ import importlib.util
 import io
 import json
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -177,10 +179,10 @@ def test_a_bench_count_out_of_range_is_named_alone(capsys, flag, value, minimum)
 
 def test_a_quick_bench_reports_the_layers_and_repetitions_it_used(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    assert cpu_bench("--quick", "--section", "host-cost", "--reps", "0", "--json", str(path)) == 0
+    assert cpu_bench("--quick", "--reps", "0", "--json", str(path)) == 0
     used = json.loads(path.read_text())["meta"]["args"]
     assert (used["layers"], used["mla_layers"], used["reps"], used["quick"]) == (8, 8, 5, True)
-    assert cpu_bench("--section", "host-cost", "--layers", "3", "--reps", "2", "--json", str(path)) == 0
+    assert cpu_bench("--layers", "3", "--reps", "2", "--json", str(path)) == 0
     used = json.loads(path.read_text())["meta"]["args"]
     assert (used["layers"], used["mla_layers"], used["reps"]) == (3, 61, 2)
 
@@ -203,3 +205,56 @@ def test_a_bench_usage_error_is_one_line_with_status_2():
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.splitlines() == ["portable-kv bench: error: argument --draws: invalid int value: 'x' "
                                        "(`portable-kv bench --help` lists the arguments)"]
+
+
+def stand_in_spec():
+    from portable_kv.backends import jit
+
+    # An arch no prebuilt directory holds, so the cache or the compile answers.
+    return jit.KernelSpec.for_source(jit.PACKAGE_DIR / "kernels_cuda" / "kv_copy.cu", "sm_stand_in", "stand-in compiler 1.0", "cubin")
+
+
+def build_with_a_counting_compiler(barrier, counter: str, results) -> None:
+    """One rank: wait for the others, then ask for the kernel as a backend does at first use."""
+
+    def compile(spec) -> bytes:
+        with open(counter, "a") as calls:
+            calls.write(f"{os.getpid()}\n")
+        time.sleep(1.0)  # a compile takes a while: the other ranks ask meanwhile
+        return f"code object for {spec.arch}".encode()
+
+    spec = stand_in_spec()
+    barrier.wait()
+    results.put(spec.build(compile))
+
+
+def test_ranks_starting_together_compile_once_and_read_the_cached_result(clean_env, tmp_path):
+    ranks = 4
+    clean_env.setenv("PORTABLE_KV_CACHE", str(tmp_path / "cache"))
+    counter = tmp_path / "compiles"
+    spawn = multiprocessing.get_context("spawn")
+    barrier, results = spawn.Barrier(ranks), spawn.Queue()
+    processes = [spawn.Process(target=build_with_a_counting_compiler, args=(barrier, str(counter), results)) for _ in range(ranks)]
+    for process in processes:
+        process.start()
+    images = [results.get(timeout=240) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert len(counter.read_text().splitlines()) == 1
+    assert images == [b"code object for sm_stand_in"] * ranks
+    assert stand_in_spec().cache_path().read_bytes() == images[0]
+
+
+def test_a_compile_lock_held_too_long_is_named(clean_env, tmp_path):
+    from portable_kv.backends import jit
+
+    clean_env.setenv("PORTABLE_KV_CACHE", str(tmp_path))
+    clean_env.setattr(jit, "LOCK_WAIT_S", 0.2)
+    spec = stand_in_spec()
+    lock = spec.cache_path().with_name(f".{spec.cache_path().name}.lock")
+    with jit.file_lock(lock):  # another compile of the same kernel, in progress
+        with pytest.raises(TimeoutError) as raised:
+            spec.build(lambda _: pytest.fail("compiled while another process held the lock"))
+    assert str(raised.value).startswith(f"kernel cache: waited 0.2 s for the lock file {lock}, held by a process compiling the same kernel")
+    assert spec.build(lambda _: b"image") == b"image"  # the lock released, the next build compiles

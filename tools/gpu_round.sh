@@ -8,7 +8,7 @@
 #   on the GPU host:                     bash tools/gpu_round.sh [--full]  (--full: the long benchmark)
 # SKIP_TESTS, SKIP_SGLANG, SKIP_SANITIZER, SKIP_BENCH=1 leave a step out (to split the round over
 # several calls; SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1 runs the SGLang step alone after check).
-# BENCH_SECTIONS picks the benchmark's sections, in order (default: host-cost staged engine all);
+# BENCH_SECTIONS picks the benchmark's sections, in order (default: host-cost staged engine decode all);
 # STAGED_PAGES the staged section's page sizes (default 64), DRAWS the draws of rows beside compute.
 # Wheels in .whl/extra/ (e.g. SGLang, Mooncake) are put on the tests' path as they are.
 set -uo pipefail
@@ -132,7 +132,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   BENCH_PATH=$PYTHONPATH
   python3 -c "import sgl_kernel" 2>/dev/null || BENCH_PATH=$PYTHONPATH:$ROOT/tests/gpu/standins
   bench() { PYTHONPATH=$BENCH_PATH timeout "$1" python3 -m portable_kv bench --draws "${DRAWS:-5}" "${@:2}"; }
-  for section in ${BENCH_SECTIONS:-host-cost staged engine all}; do
+  for section in ${BENCH_SECTIONS:-host-cost staged engine decode all}; do
     started=$SECONDS
     case $section in
       host-cost) step host_cost; bench "${HOST_COST_TIMEOUT:-150}" --section host-cost --json "$OUT/host_cost.json" > "$OUT/host_cost.txt" 2>&1; status=$?

@@ -53,6 +53,18 @@ ON_DEVICE = ("kernel", "bulk")
 
 def measure(ctx: Context) -> list[Row]:
     """Per case the decode step, then per backend its host tier and the paths' draws."""
+    threads = torch.get_num_threads()
+    if not ctx.gpu:
+        # The scaled step's matmuls are too small to split: on a busy 2-core runner OpenMP's
+        # hand-offs made a 1 ms step take 350 ms.
+        torch.set_num_threads(1)
+    try:
+        return _measure(ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(ctx: Context) -> list[Row]:
     model = GPU_MODEL if ctx.gpu else CPU_MODEL
     cases = GPU_CASES if ctx.gpu else (CPU_QUICK if ctx.quick else CPU_CASES)
     layers = min(ctx.layers, model.layers)
@@ -208,7 +220,8 @@ def case_rows(ctx: Context, step: DecodeStep, tier: HostTier, name: str, first: 
         about.setdefault(label, {})["verified"] = tier.verify(issue)
     alone = run_steps(step, steps, gpu)
     mean_call = (tier.call_bytes(0) + tier.call_bytes(1)) / 2
-    calls = max(2, round(OFFERED_GBPS * 1e9 * alone["p50_ms"] / 1e3 / mean_call))
+    # On the CPU backend a call is a copy on the caller's thread: a load and a backup a step.
+    calls = max(2, round(OFFERED_GBPS * 1e9 * alone["p50_ms"] / 1e3 / mean_call)) if gpu else 2
     side = torch.cuda.Stream(ctx.device) if gpu else None
     latest: dict[str, float] = {}
     watch = AutoWatch(tier.host) if "auto" in paths else None
@@ -245,11 +258,11 @@ def case_rows(ctx: Context, step: DecodeStep, tier: HostTier, name: str, first: 
     return rows
 
 
-COLUMNS = f"  {'path':<34} {'step p50 x alone':>22} {'step p99 x alone':>22} {'host tier GB/s':>22} {'done in steps':>14} {'host ms/step':>13}"
-LEGEND = ("A case: the decode step alone, then with the host tier's transfers beside it; x alone: the step's p50 (p99) against the step "
-          "alone's p50 (p99) of the same round of draws; host tier GB/s: bytes the transfers moved by the last step's end over their "
-          "span; done in steps: that share of the offered bytes; host ms/step: the caller's time issuing a step's transfers. "
-          "Drawn several times, the paths in turn: the median, (in brackets) the least and the most of the draws.")
+COLUMNS = f"  {'path':<34} {'step p50 x alone':>26} {'step p99 x alone':>26} {'host tier GB/s':>22} {'done in steps':>14} {'host ms/step':>13}"
+LEGEND = ["A case: the decode step alone, then with the host tier's transfers beside it. x alone: the step's p50 (p99) against the",
+          "step alone's p50 (p99) of the same round of draws; host tier GB/s: the bytes the transfers moved by the last step's end",
+          "over their span; done in steps: that share of the offered bytes; host ms/step: the caller's time issuing a step's",
+          "transfers. Drawn several times, the paths in turn: the median, (in brackets) the least and the most of the draws."]
 
 
 def cases(rows: list[Row]) -> list[tuple[Row, list[Row]]]:
@@ -282,10 +295,10 @@ def table(rows: list[Row], meta: dict) -> str:
             if "absent" in e:
                 lines.append(f"  {r.name:<34} not measured: {e['absent']}")
                 continue
-            lines.append(f"  {r.name:<34} {spread_text(e, 'p50_x', '.3f'):>22} {spread_text(e, 'p99_x', '.3f'):>22} "
+            lines.append(f"  {r.name:<34} {spread_text(e, 'p50_x', '.3f'):>26} {spread_text(e, 'p99_x', '.3f'):>26} "
                          f"{spread_text(e, 'gbps', '.1f'):>22} {e['kept_pct']:>13.0f}% {e['host_ms']:>13.3f}"
                          + ("" if e.get("verified", True) else "  NOT VERIFIED") + (f"  auto took {e['auto_took']}" if "auto_took" in e else ""))
-    return "\n".join(lines + ["", LEGEND])
+    return "\n".join(lines + ["", *LEGEND])
 
 
 def markdown(rows: list[Row], meta: dict) -> str:
@@ -296,4 +309,4 @@ def markdown(rows: list[Row], meta: dict) -> str:
         lines += [f"| {r.name} | not measured: {r.extra['absent']} | | | | |" if "absent" in r.extra else
                   f"| {r.name} | {spread_text(r.extra, 'p50_x', '.3f')} | {spread_text(r.extra, 'p99_x', '.3f')} | "
                   f"{spread_text(r.extra, 'gbps', '.1f')} | {r.extra['kept_pct']:.0f}% | {r.extra['host_ms']:.3f} |" for r in paths]
-    return "\n".join(lines + ["", LEGEND]) + "\n"
+    return "\n".join(lines + ["", " ".join(LEGEND)]) + "\n"

@@ -16,6 +16,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllmkit import (  # noqa: E402
     CROSS_LAYER,
+    HYBRID,
     PER_LAYER,
     CPULoadStoreSpec,
     block_tensors,
@@ -133,3 +134,31 @@ def test_the_package_imports_without_importing_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0.33.0"
+
+
+def test_each_job_is_prepared_once_a_pool_and_stores_are_off_the_critical_path(monkeypatch):
+    from portable_kv.engines.vllm import PortableKVOffloadingWorker
+    from portable_kv.mla import MLAHostPool
+
+    asked = []
+    prepare = MLAHostPool.prepare
+
+    def recording(pool, device_pool, host_indices, device_indices, io_backend=None, background=False):
+        asked.append((pool.kv_buffer.shape[-1], len(host_indices), background))
+        return prepare(pool, device_pool, host_indices, device_indices, io_backend, background)
+
+    monkeypatch.setattr(MLAHostPool, "prepare", recording)
+    geometry = HYBRID  # two page sizes: two pools; group 1 uses tensors of both
+    tensors = block_tensors(geometry)
+    worker = PortableKVOffloadingWorker(kv_caches(tensors, geometry), 1, 16, choose_io(backends.current(), None))
+    try:
+        assert worker.submit_store(0, gpu_spec([[1, 2], [3, 4, 5]], [0, 0]), CPULoadStoreSpec([0, 1, 2, 3, 4]))
+        stores, asked[:] = list(asked), []
+        assert worker.submit_load(1, CPULoadStoreSpec([0, 1, 2, 3, 4]), gpu_spec([[10, 11], [12, 13, 14]], [0, 0]))
+        # One plan per pool and set of layers: group 0's layers 0-1 and group 1's layers 1-2 of the 2048-byte pool,
+        # group 1's layer of the 1024-byte pool.
+        assert sorted(stores) == [(1024, 3, True), (2048, 2, True), (2048, 3, True)]
+        assert sorted(asked) == sorted((page, n, False) for page, n, _ in stores)
+        assert torch.equal(tensors[3][[12, 13, 14]], tensors[3][[3, 4, 5]])
+    finally:
+        worker.shutdown()

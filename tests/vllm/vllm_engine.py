@@ -97,7 +97,7 @@ class Engine:
     scheduler: Scheduler
     connector: Any  # the worker-side connector
     kv_caches: dict[str, torch.Tensor]
-    # What happened, in order: ("start_load_kv",), ("wait", layer name), ("write", layer name), ("save", layer name), ...
+    # What happened, in order: ("start_load_kv",), ("write", layer name), ("wait", layer name); tests add the plans' calls.
     trace: list[tuple] = field(default_factory=list)
     steps: list[SchedulerOutput] = field(default_factory=list)
     on_step: Callable[[SchedulerOutput], None] | None = None
@@ -155,7 +155,7 @@ class Engine:
 
     def _prefilled(self, out: SchedulerOutput, req_id: str) -> bool:
         """Whether the step computed the request's last prompt token, so that it samples one."""
-        blocks, start = self._blocks_and_start(out, req_id)
+        _, start = self._blocks_and_start(out, req_id)
         return start + out.num_scheduled_tokens[req_id] >= self.scheduler.requests[req_id].num_prompt_tokens
 
     def _write(self, out: SchedulerOutput, layer: int, name: str) -> None:

@@ -2,12 +2,13 @@
 
 A memory-bound decode step (decode_step.py: Llama-3-8B's shape, bf16, L layers of qkv, GQA
 attention over every request's context and MLP, one CUDA graph) runs on the compute stream
-while the same thread, before each step, issues the host tier's transfers of OTHER pages on a
-side stream: per-layer loads and all-layer backups in turn, about 100 MB a call (--pages),
-random pages (the first --page-size) of a layer_first host pool of 8 KV heads of 128 (--dtype).
-So many calls a step that OFFERED_GBPS is offered, from the step alone's time.  The host
-runs one step ahead of the GPU (it waits for step i-2 before issuing step i), as an engine's
-overlapped scheduler does, so a path's host time shows where it outlasts a step.
+while the same thread, before each step, issues the host tier's transfers of OTHER pages:
+per-layer loads and all-layer backups in turn, about 100 MB a call (--pages), each direction
+on a side stream of its own (SGLang's controller keeps a load stream and a write stream), random
+pages (the first --page-size) of a layer_first host pool of 8 KV heads of 128 (--dtype), as many
+calls a step, on average, as offer OFFERED_GBPS at the step alone's pace.  The host runs one step
+ahead of the GPU (it waits for step i-2 before issuing step i), as an engine's overlapped
+scheduler does, so a path's host time shows where it outlasts a step.
 
 Rows: per case (batch, context), backend and path (each io path of the backend, `auto` with
 background=True; with the first backend torch's copy_ per page and SGLang's JIT kernel, or why
@@ -15,7 +16,7 @@ it cannot run), the step's p50 and p99 against the step alone's, and the GB/s th
 moved during the steps, drawn `--draws` times with the step alone in turn (draws.py).  A step's
 time runs from the previous step's end to its own (events on the compute stream), so host time
 that leaves the GPU idle counts; GB/s: the bytes of the transfers done by the last step's end
-over their span (events on the side stream).  --layers caps the model's 32 (--quick: 8).
+over their span (events on the side streams).  --layers caps the model's 32 (--quick: 8).
 On the CPU backend everything runs in turn on the caller's thread and says nothing about a GPU.
 """
 
@@ -221,8 +222,8 @@ def case_rows(ctx: Context, step: DecodeStep, tier: HostTier, name: str, first: 
     alone = run_steps(step, steps, gpu)
     mean_call = (tier.call_bytes(0) + tier.call_bytes(1)) / 2
     # On the CPU backend a call is a copy on the caller's thread: a load and a backup a step.
-    calls = max(2, round(OFFERED_GBPS * 1e9 * alone["p50_ms"] / 1e3 / mean_call)) if gpu else 2
-    side = torch.cuda.Stream(ctx.device) if gpu else None
+    calls = OFFERED_GBPS * 1e9 * alone["p50_ms"] / 1e3 / mean_call if gpu else 2.0
+    streams = (torch.cuda.Stream(ctx.device), torch.cuda.Stream(ctx.device)) if gpu else ()
     latest: dict[str, float] = {}
     watch = AutoWatch(tier.host) if "auto" in paths else None
 
@@ -232,7 +233,7 @@ def case_rows(ctx: Context, step: DecodeStep, tier: HostTier, name: str, first: 
             return dict(latest)
         io = label.removeprefix(f"{name} ") if label.startswith(f"{name} ") else ""
         before = tier.counted(io) if io else 0
-        out = run_steps(step, steps, gpu, issuers[label], calls, tier.call_bytes, side)
+        out = run_steps(step, steps, gpu, issuers[label], calls, tier.call_bytes, streams)
         if io:
             out["counted_bytes"] = float(tier.counted(io) - before)
         return {**out, "p50_x": out["p50_ms"] / latest["p50_ms"], "p99_x": out["p99_ms"] / latest["p99_ms"]}
@@ -282,7 +283,7 @@ def case_line(alone: Row) -> str:
     e = alone.extra
     return (f"batch {e['batch']} x {e['context']} tokens, {e['layers']} layers, {e['backend']}: step alone {e['p50_ms']:.2f} ms p50, "
             f"{e['p99_ms']:.2f} p99 ({e['step_gb']:.1f} GB a step, {e['hbm_gbps']:.0f} GB/s); host tier offered {e['offered_gbps']:.1f} GB/s: "
-            f"{e['calls_per_step']} calls a step of {e['load_bytes'] / 1e6:.0f} MB (a layer's load) and {e['backup_bytes'] / 1e6:.0f} MB "
+            f"{e['calls_per_step']:.1f} calls a step of {e['load_bytes'] / 1e6:.0f} MB (a layer's load) and {e['backup_bytes'] / 1e6:.0f} MB "
             f"(an all-layer backup) in turn, page {alone.page_size}")
 
 

@@ -15,7 +15,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -151,30 +151,32 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def run_steps(step: DecodeStep, steps: int, gpu: bool, issue: Callable[[int], None] | None = None, calls: int = 0,
-              call_bytes: Callable[[int], int] = lambda n: 0, side: torch.cuda.Stream | None = None) -> dict[str, float]:
-    """`steps` decode steps, before each `calls` calls of `issue(n)` (n counting from 0) on `side`:
-    the steps' p50 and p99; with transfers, their GB/s over their span, the share of the offered
-    bytes done by the last step's end, how long they ran on past it, the caller's time a step."""
+def run_steps(step: DecodeStep, steps: int, gpu: bool, issue: Callable[[int], None] | None = None, calls: float = 0.0,
+              call_bytes: Callable[[int], int] = lambda n: 0, streams: Sequence[torch.cuda.Stream] = ()) -> dict[str, float]:
+    """`steps` decode steps; before step i, `issue(n)` for the calls n (from 0) that bring the
+    count to `calls` a step on average: a load where n is even, on `streams[0]`, a backup where
+    it is odd, on `streams[1]`, as SGLang's controller keeps a load stream and a write stream.
+    The steps' p50 and p99; with transfers, their GB/s over their span, the share of the bytes
+    offered that was done by the last step's end, how long they ran on past it, and the
+    caller's time a step in the calls."""
     if gpu:
         torch.cuda.synchronize()
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream())
-    begin, side_start = Stamp(gpu), Stamp(gpu)
-    ends, done = [Stamp(gpu) for _ in range(steps)], [Stamp(gpu) for _ in range(steps)]
-    begin.record()
-    side_start.record(side)
-    host_s, n = 0.0, 0
+        for stream in streams:
+            stream.wait_stream(torch.cuda.current_stream())
+    begin, ends = Stamp(gpu), [Stamp(gpu) for _ in range(steps)]
+    done = [[Stamp(gpu) for _ in range(steps)] for _ in range(2)]  # per direction: after step i's calls
+    begin.record()  # the streams start idle, so no transfer starts before it
+    host_s = 0.0
     for i in range(steps):
         if i > AHEAD:
             ends[i - AHEAD - 1].wait()
         if issue is not None:
             t0 = time.perf_counter()
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                for _ in range(calls):
+            for n in range(int(i * calls), int((i + 1) * calls)):
+                with torch.cuda.stream(streams[n % 2]) if streams else contextlib.nullcontext():
                     issue(n)
-                    n += 1
-                done[i].record(side)
+            for direction, stamps in enumerate(done):
+                stamps[i].record(streams[direction] if streams else None)
             host_s += time.perf_counter() - t0
         step.step()
         ends[i].record()
@@ -185,10 +187,14 @@ def run_steps(step: DecodeStep, steps: int, gpu: bool, issue: Callable[[int], No
     if issue is None:
         return out
     last_end = begin.ms_to(ends[-1])
-    kept = sum(1 for stamp in done if begin.ms_to(stamp) <= last_end)  # the side stream runs its batches in turn
-    moved = sum(call_bytes(c) for c in range(kept * calls))
-    offered = sum(call_bytes(c) for c in range(n))
+    moved, span_ms = 0, 0.0
+    for direction, stamps in enumerate(done):
+        kept = sum(1 for stamp in stamps if begin.ms_to(stamp) <= last_end)  # a stream runs its calls in turn
+        moved += sum(call_bytes(n) for n in range(direction, int(kept * calls), 2))
+        span_ms = max(span_ms, begin.ms_to(stamps[kept - 1]) if kept else 0.0)
+    offered = sum(call_bytes(n) for n in range(int(steps * calls)))
     # On the CPU the transfers are the calls: their time is the caller's.
-    span_s = (side_start.ms_to(done[kept - 1]) / 1e3 if kept else 0.0) if gpu else host_s
+    span_s = span_ms / 1e3 if gpu else host_s
     return {**out, "gbps": moved / span_s / 1e9 if span_s > 0 else 0.0, "kept_pct": 100 * moved / offered,
-            "ran_on_ms": max(0.0, begin.ms_to(done[-1]) - last_end), "host_ms": host_s * 1e3 / steps, "bytes": float(offered)}
+            "ran_on_ms": max(0.0, *(begin.ms_to(stamps[-1]) - last_end for stamps in done)), "host_ms": host_s * 1e3 / steps,
+            "bytes": float(offered)}

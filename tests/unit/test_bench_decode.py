@@ -75,6 +75,9 @@ def test_steps_count_their_transfers_in_turn():
     assert issued == list(range(12))
     assert out["bytes"] == 6 * 100 + 6 * 10 and out["kept_pct"] == 100
     assert out["p99_ms"] >= out["p50_ms"] > 0
+    issued.clear()
+    out = run_steps(step, 4, False, issued.append, calls=1.5, call_bytes=lambda n: 10 if n % 2 else 100)
+    assert issued == list(range(6)) and out["bytes"] == 3 * 100 + 3 * 10  # a call and a half a step, on average
 
 
 def test_the_gpu_step_reads_llama_3_8b_weights_and_the_batch_kv():

@@ -59,8 +59,7 @@ def layerwise_extra_config(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 class PortableKVLayerwiseConnector(OffloadingConnector):
-    """vLLM's OffloadingConnector over portable_kv's spec, loading same-step hits layer by layer (docs/API.md,
-    "vLLM layer-wise connector").
+    """vLLM's OffloadingConnector over portable_kv's spec, loading same-step hits layer by layer (module docstring).
 
     `{"kv_connector": "PortableKVLayerwiseConnector", "kv_connector_module_path": "portable_kv.engines.vllm",
     "kv_role": "kv_both", "kv_connector_extra_config": {...}}` with the spec's keys; `spec_name` and

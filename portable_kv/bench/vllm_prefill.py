@@ -12,9 +12,9 @@ Per model at one GPU's share and cache hit (4K to 32K tokens) plus 512 new
 tokens: the forward alone, the loads alone, then the time to first token of
 each way, as ms and as x of max(forward alone, the hit's bytes at the run's
 host-to-device ceiling).  The forward is each layer's matmuls at the model's
-shapes (weights shared by the layers) and an SDPA over the hit and the new
-tokens in a contiguous buffer of the hit's size (vLLM's paged attention reads
-as much); DeepSeek-V3 is its TP8 share: 16 of 128 heads, the cached latents
+shapes (weights shared by the layers) and an SDPA of the new tokens over the
+hit and themselves, keys and values in contiguous buffers (vLLM's paged
+attention reads as much); DeepSeek-V3 is its TP8 share: 16 of 128 heads, the cached latents
 expanded to keys and values as vLLM's MLA prefill does, 9 of 256 experts a
 token spread over 8 GPUs.  On the CPU backend a scaled model runs so that CI
 exercises the code; there are no streams and the numbers say nothing about a GPU.
@@ -50,7 +50,6 @@ class PrefillModel:
     layers: int
     kv_bytes: int  # one token's KV in one layer, as vLLM's block tensors hold it
     heads: int  # attention heads on this GPU
-    kv_heads: int
     qk_dim: int
     v_dim: int
     # Per layer, in order: (rows, k, n) of each matmul; rows "new" (the new tokens), "context" (hit and new
@@ -60,13 +59,13 @@ class PrefillModel:
     experts_per_token: float = 1.0
 
 
-LLAMA_3_8B = PrefillModel("Llama-3-8B", 32, 2 * 8 * 128 * 2, 32, 8, 128, 128,
+LLAMA_3_8B = PrefillModel("Llama-3-8B", 32, 2 * 8 * 128 * 2, 32, 128, 128,
                           (("new", 4096, 6144), ("new", 4096, 4096), ("new", 4096, 2 * 14336), ("new", 14336, 4096)), 1)
-DEEPSEEK_V3 = PrefillModel("DeepSeek-V3 TP8", 61, 576 * 2, 16, 16, 192, 128,
+DEEPSEEK_V3 = PrefillModel("DeepSeek-V3 TP8", 61, 576 * 2, 16, 192, 128,
                            (("new", 7168, 1536 + 576), ("new", 1536, 16 * 192), ("context", 512, 16 * (128 + 128)),
                             ("new", 16 * 128, 7168), ("experts", 7168, 2 * 2048), ("experts", 2048, 7168)), 3,
                            experts_per_token=9 / 8)
-CPU_MODEL = PrefillModel("scaled (CPU)", 4, 2 * 2 * 32 * 2, 4, 2, 32, 32,
+CPU_MODEL = PrefillModel("scaled (CPU)", 4, 2 * 2 * 32 * 2, 4, 32, 32,
                          (("new", 128, 256), ("new", 128, 128), ("new", 128, 512), ("new", 256, 128)), 1)
 GPU_HITS = (4096, 8192, 16384, 32768)
 CPU_HITS = (64, 256)
@@ -83,15 +82,16 @@ class Forward:
         self.weights = [torch.randn(k, n, device=device, dtype=dtype, generator=gen) * k**-0.5 for _, k, n in model.matmuls]
         self.inputs = [torch.randn(rows[r], k, device=device, dtype=dtype, generator=gen) for r, k, _ in model.matmuls]
         self.q = torch.randn(1, model.heads, new, model.qk_dim, device=device, dtype=dtype, generator=gen)
-        self.k = torch.randn(1, model.kv_heads, hit + new, model.qk_dim, device=device, dtype=dtype, generator=gen)
-        self.v = torch.randn(1, model.kv_heads, hit + new, model.v_dim, device=device, dtype=dtype, generator=gen)
+        # Keys and values a query head (grouped heads expanded): every SDPA backend takes them, flash attention too.
+        self.k = torch.randn(1, model.heads, hit + new, model.qk_dim, device=device, dtype=dtype, generator=gen)
+        self.v = torch.randn(1, model.heads, hit + new, model.v_dim, device=device, dtype=dtype, generator=gen)
 
     def projections(self) -> None:
         for i in range(self.model.attention_after):
             torch.matmul(self.inputs[i], self.weights[i])
 
     def rest(self) -> None:
-        F.scaled_dot_product_attention(self.q, self.k, self.v, enable_gqa=self.model.heads != self.model.kv_heads)
+        F.scaled_dot_product_attention(self.q, self.k, self.v)
         for i in range(self.model.attention_after, len(self.weights)):
             torch.matmul(self.inputs[i], self.weights[i])
 

@@ -19,29 +19,48 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from .cache import IdentityCache
+from .device_pool import DeviceGeometry
 from .indices import IndexPair
 from .io.context import IoContext, Landed
 from .io.mover import Launch
 from .stats import DELEGATING, StatsRow
-from .transfer import Transfer
-from .validation import check_lengths, index_tensor, owned_int64
-
-if TYPE_CHECKING:
-    from .pool import Binding, HostPool
+from .transfer import TensorPair, Transfer
+from .validation import IndexValidator, check_lengths, index_tensor, owned_int64
 
 _memcmp = ctypes.CDLL(None).memcmp
 _memcmp.restype, _memcmp.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
 
+class Binding(NamedTuple):
+    """The device pool an engine passes every call, checked once, with a tensor pair per buffer."""
+
+    device_pool: Any
+    geometry: DeviceGeometry
+    pairs: tuple[TensorPair, ...]
+    held: tuple[tuple[str, list[torch.Tensor]], ...]  # each buffer's name and the per-layer tensors the pairs hold
+
+
+class PlannedPool(Protocol):
+    """What a plan asks of its host pool (pool.py's HostPool)."""
+
+    closed: bool
+    layer_num: int
+    page_size: int
+    _io_context: IoContext
+    _validator: IndexValidator
+
+    def _layer(self, layer_id: int) -> range: ...
+
+
 class TransferPlan:
     """One pair of index tensors of one host pool and one device pool, on one io path."""
 
-    def __init__(self, pool: HostPool, io: str, host_indices: Any, device_indices: Any, binding: Binding | None,
+    def __init__(self, pool: PlannedPool, io: str, host_indices: Any, device_indices: Any, binding: Binding | None,
                  fixed: bool = True, background: bool = False, owned: bool = False) -> None:
         """`fixed`: bound to `binding` for good (prepare()); else rebound to the device pool a
         call passes.  `owned`: the indices are already the pool's own copies, which nobody writes."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,8 +29,8 @@ from .layout import LAYOUTS, check_layout, host_shape
 from .log import package_logger, pool_line
 from .numa import Placement, placement
 from .pages import PageAccess
-from .plan import PlanMemo, TransferPlan
-from .transfer import TensorPair, tensor_pair
+from .plan import Binding, PlanMemo, TransferPlan
+from .transfer import tensor_pair
 from .validation import IndexValidator, index_tensor, owned_int64
 
 # Registered host memory is split into pieces of whole pages: a page-major layout
@@ -38,15 +38,6 @@ from .validation import IndexValidator, index_tensor, owned_int64
 REGISTERED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 # io paths on which GPU threads may read host memory: kernel, and the two that fall back to it.
 SM_READS_HOST = ("kernel", "staged", "auto")
-
-
-class Binding(NamedTuple):
-    """The device pool an engine passes every call, checked once, with a tensor pair per buffer."""
-
-    device_pool: Any
-    geometry: DeviceGeometry
-    pairs: tuple[TensorPair, ...]
-    held: tuple[tuple[str, list[torch.Tensor]], ...]  # each buffer's name and the per-layer tensors the pairs hold
 
 
 class HostPool(PageAccess):

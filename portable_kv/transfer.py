@@ -10,15 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from .indices import IndexPair
 from .layout import Chunking, HostStrides, chunking, host_strides
-
-if TYPE_CHECKING:
-    from .io.mover import BadIndexFlag
 
 
 @dataclass(frozen=True)
@@ -54,6 +51,33 @@ def tensor_pair(host: torch.Tensor, device: Sequence[torch.Tensor], layout: str,
     strides = host_strides(host, layout, page_size)
     table = LayerTable(device, table_device) if table_device is not None else None
     return TensorPair(host, layout, device, strides, chunking(strides), registration_tokens, table)
+
+
+class BadIndexFlag:
+    """Set when a launch skips a token whose index is outside its pool: one per host pool.
+
+    It lives in page-locked, mapped host memory on a GPU, so a kernel sets it and
+    the host reads it without synchronising; the next call turns it into an error.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=device.type != "cpu")
+        self._view = self.tensor.numpy()
+
+    @property
+    def address(self) -> int:
+        return self.tensor.data_ptr()
+
+    def set(self) -> None:
+        self._view[0] = 1
+
+    def check(self) -> None:
+        if self._view[0]:
+            self._view[0] = 0
+            raise RuntimeError(
+                "portable_kv: an earlier transfer met token indices outside the pools and skipped them "
+                "(nothing outside the pools was written); validate indices, or keep validate=True"
+            )
 
 
 class Transfer(NamedTuple):

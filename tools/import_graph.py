@@ -22,8 +22,8 @@ LAYERS = (
     ("core", ("config", "log", "stats", "cache", "layout", "indices", "transfer")),
     ("io paths", ("io",)),
     ("backends", ("backends",)),
-    ("host pool", ("numa", "allocator", "device_pool", "host_memory", "validation", "pages", "sglang_surface", "prepared", "pool", "mla")),
-    ("integrations", ("storage", "engines", "sglang", "sglang_mla")),
+    ("host pool", ("numa", "allocator", "device_pool", "host_memory", "validation", "pages", "plan", "pool", "mla")),
+    ("integrations", ("storage", "engines", "sglang")),
     ("commands", ("testing", "check", "bench", "cli", "__init__", "__main__")),
 )
 

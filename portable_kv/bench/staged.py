@@ -216,19 +216,14 @@ def _with_sms(row: Row, backend: Any, host: pk.AsymmetricHostPool | pk.MLAHostPo
     (or staged, which falls back where it cannot carry a call) took: one more call tells."""
     taken = io
     if io in ("auto", "staged"):
-        watch = AutoWatch(host)
+        watch = AutoWatch(host, io)
         if row.direction == "h2d":
             host.load_to_device_per_layer(w.dev, w.host_idx, w.dev_idx, 0, io_backend=io)
         else:
             host.backup_from_device_all_layer(w.dev, w.host_idx, w.dev_idx, io_backend=io)
-        mover = host._mover(io)  # noqa: SLF001 -- the bench reports the path a call took
-        if io == "auto":
-            taken = row.extra["auto_took"] = watch.took()
-            if watch.reasons():
-                row.extra["auto_reason"] = "; ".join(watch.reasons().values())
-            mover = getattr(mover, "movers", {}).get("staged")
-        if taken == "staged" and mover is not None:
-            taken = row.extra["staged_took"] = getattr(mover, "last_path", taken)
+        taken = row.extra[f"{io}_took"] = watch.took()
+        if watch.reasons():
+            row.extra[f"{io}_reason"] = "; ".join(watch.reasons().values())
     if gpu:
         staging_blocks = host._io_context.settings.staging_blocks  # noqa: SLF001 -- the staged kernel's quota, as the pool read it
         row.grid = {"kernel": getattr(backend, "block_quota", 0), "staged": staging_blocks}.get(taken, 0)

@@ -24,7 +24,7 @@ import torch
 
 from ..transfer import Transfer
 from .bulk_pieces import STAGE_BYTES, BulkPieces, bulk_pieces, why_not_bulk
-from .copier import CopyBatch, Copier
+from .copier import Copier, CopyBatch
 from .kernel_args import MAX_JOBS
 from .mover import Launch, Mover
 from .streams import MadeOn, Streams

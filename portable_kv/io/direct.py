@@ -18,7 +18,7 @@ import numpy as np
 
 from ..indices import IndexPair
 from ..transfer import TensorPair, Transfer
-from .copier import CopyBatch, Copier
+from .copier import Copier, CopyBatch
 from .mover import Launch, Mover
 
 

@@ -11,39 +11,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import torch
-
 from ..config import IO_PATHS
-from ..transfer import Transfer
+from ..transfer import BadIndexFlag, Transfer
 
 __all__ = ["IO_PATHS", "BadIndexFlag", "Launch", "Mover"]
-
-
-class BadIndexFlag:
-    """Set when a launch skips a token whose index is outside its pool: one per host pool.
-
-    It lives in page-locked, mapped host memory on a GPU, so a kernel sets it and
-    the host reads it without synchronising; the next call turns it into an error.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=device.type != "cpu")
-        self._view = self.tensor.numpy()
-
-    @property
-    def address(self) -> int:
-        return self.tensor.data_ptr()
-
-    def set(self) -> None:
-        self._view[0] = 1
-
-    def check(self) -> None:
-        if self._view[0]:
-            self._view[0] = 0
-            raise RuntimeError(
-                "portable_kv: an earlier transfer met token indices outside the pools and skipped them "
-                "(nothing outside the pools was written); validate indices, or keep validate=True"
-            )
 
 
 class Launch(ABC):
@@ -70,5 +41,5 @@ class Mover(ABC):
     def build(self, transfer: Transfer) -> Launch:
         """The launch of one validated transfer."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- most paths hold nothing for their pool
         """Drop what the path holds for its pool (staging memory, side streams); idempotent."""

@@ -94,6 +94,7 @@ class StagedCopies:
         key = (chunk, slot.generation, layer)
         batch = self._batches.get(key)
         if batch is None:
+            which, host, staging, sizes = self.rows(chunk)
             host_bases = np.array([p.host.data_ptr() + layer * p.strides.layer for p in transfer.pairs], np.int64)
             staging_bases = np.array([slot.address + offset for offset in self.schedule.offsets], np.int64)
             host, staging = (host + host_bases[which]).astype(np.uint64), (staging + staging_bases[which]).astype(np.uint64)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kvspec import bits, page_tokens, randomize
+from kvspec import bits, page_tokens, randomize, sglang_host_pool
 
 import portable_kv as pk
 
@@ -47,7 +47,7 @@ def test_device_pool_arguments_are_checked_and_named(backend, kwargs, error, mat
 def test_host_buffer_shapes_and_sglang_attributes(backend, layout, shape):
     """SGLang 0.5.23's MLATokenToKVPoolHost: kv_buffer per layout, the row's geometry, sizes over all layers."""
     dev = pk.MLADevicePool(L, 32, P, 40, torch.bfloat16, kv_lora_rank=32, qk_rope_head_dim=8)
-    with pk.MLAHostPool(dev, host_to_device_ratio=2.2, layout=layout) as host:
+    with sglang_host_pool(dev, host_to_device_ratio=2.2, layout=layout) as host:
         assert tuple(host.kv_buffer.shape) == shape and host.kv_buffer.dtype == torch.bfloat16
         assert (host.size, host.page_num, host.page_size, host.layer_num) == (72, 18, P, L)
         assert (host.kv_cache_dim, host.kv_lora_rank, host.qk_rope_head_dim) == (40, 32, 8)
@@ -96,7 +96,7 @@ def test_an_engines_own_pool_is_taken_as_it_is(backend, gen):
 def test_fp32_and_fp8_caches_roundtrip(backend, layout, dtype, gen):
     """fp32 rows, and fp8 as SGLang keeps it: uint8 elements (a DSA row packs its scales: 656 of them)."""
     dev = pk.MLADevicePool(L, 32, P, 656, dtype, kv_lora_rank=512, qk_rope_head_dim=64)
-    host = pk.MLAHostPool(dev, layout=layout, io_backend=backend.io_backends[0])
+    host = sglang_host_pool(dev, layout=layout, io_backend=backend.io_backends[0])
     for t in dev.kv_buffer:
         randomize(t, gen)
     src, slots, dst = page_tokens(torch.tensor([1, 6]), P), page_tokens(torch.tensor([9, 2]), P), page_tokens(torch.tensor([0, 7]), P)

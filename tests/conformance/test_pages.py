@@ -18,6 +18,7 @@ from kvspec import (
     kind_of,
     pool_layout_pairs,
     randomize,
+    sglang_host_pool,
     snapshot,
 )
 
@@ -38,7 +39,7 @@ FLAT_ORDER = {
 def pools(request, backend, gen):
     kind, layout = request.param
     dev = device_pool(kind, L, 64, P, torch.bfloat16, k_heads=K_HEADS, k_dim=K_DIM, v_heads=V_HEADS, v_dim=V_DIM)
-    host = host_pool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=backend.io_backends[0])
+    host = sglang_host_pool(dev, host_to_device_ratio=2.0, layout=layout, io_backend=backend.io_backends[0])
     for t in host_buffers(host):
         randomize(t, gen)
     yield dev, host

@@ -49,7 +49,9 @@ def test_prepared_backup_and_loads_are_bit_exact(backend, gen, kind, layout, io)
         assert torch.equal(bits(buffer[1][other]), bits(buffer[1][dev_idx]))
     stats = host.stats()
     per_layer = sum(t[0].nbytes for t in device_buffers(dev)) // 128 * host_idx.numel()
-    assert stats["load"][io] == {"calls": 3, "bytes": 5 * per_layer, "seconds": stats["load"][io]["seconds"]}
+    row = stats["load"][io]
+    assert (row["calls"], row["bytes"], row["device_calls"]) == (3, 5 * per_layer, 3), "every call read back once synchronized"
+    assert row["seconds"] > 0 and row["device_seconds"] > 0
     assert stats["backup"][io]["calls"] == 1 and stats["backup"][io]["bytes"] == 3 * per_layer
     assert stats["last_error"] is None
     host.close()
@@ -92,5 +94,6 @@ def test_stats_say_which_path_auto_took_and_why(backend, gen, monkeypatch):
     monkeypatch.setattr(auto, "AUTO_MIN_BYTES", 1 << 40)
     dev, host = pools(backend, "MHA", "page_first_direct", "auto", gen)
     host.load_to_device_per_layer(dev, page_tokens(torch.tensor([1]), P), page_tokens(torch.tensor([2]), P), 0)
-    assert host.stats()["paths"]["auto"]["kernel"]["calls"] == 1
-    assert "latency" in host.stats()["paths"]["auto"]["kernel"]["reason"]
+    kernel = "indexing" if backend.name == "cpu" else "kernel"  # the cpu backend's kernel path is torch indexing
+    assert host.stats()["paths"]["auto"][kernel]["calls"] == 1
+    assert "latency" in host.stats()["paths"]["auto"][kernel]["reason"]

@@ -12,9 +12,7 @@ from kvspec import bits, device_pool, every_tensor, host_buffers, host_pool, pag
 
 import portable_kv as pk
 from portable_kv import host_memory
-from portable_kv.io.direct import copy_batch
-from portable_kv.io.staged import EVERY_PLAN
-from portable_kv.transfer import Transfer
+from portable_kv.io.staged import EVERY_SCHEDULE
 
 
 @pytest.fixture
@@ -38,7 +36,7 @@ def recorded(monkeypatch, backend):
 
 @pytest.mark.parametrize("io", ["direct", "kernel"])
 @pytest.mark.parametrize("kind, layout", pool_layouts(("page_first", "page_first_direct", "page_head")))
-def test_registered_pool_roundtrip_and_pieces(backend, recorded, kind, layout, io, gen):
+def test_registered_pool_roundtrip_and_pieces(backend, recorded, kind, layout, io, gen, monkeypatch):
     if io not in backend.io_backends or (io == "kernel" and not backend.kernel_reads_registered_memory):
         pytest.skip(f"{backend.name} has no {io} path over registered memory")
     dev = device_pool(kind, 2, 64, 4, torch.bfloat16)
@@ -54,11 +52,11 @@ def test_registered_pool_roundtrip_and_pieces(backend, recorded, kind, layout, i
     host_idx = torch.arange(0, 40)
     dev_idx = page_tokens(torch.randperm(16, generator=gen)[:10], 4)
     dev_idx = dev_idx.to(dev.device)
+    sent = sent_copies(backend, monkeypatch)
     host.backup_from_device_all_layer(dev, host_idx, dev_idx)
-    pairs = host._bind(dev, range(host.layer_num)).pairs
-    batch = copy_batch(Transfer(False, pairs, host._validator(host_idx.clone(), dev_idx.clone(), dev.size, False), range(2), 4))
+    assert bool(sent) == (io == "direct")
     ranges = sorted(recorded["register"])
-    for dst, size in zip(batch.dst.tolist(), batch.sizes.tolist()):
+    for dst, size in sent:
         assert any(a <= dst and dst + size <= a + n for a, n in ranges), "a copy spans two registrations"
     original = [bits(t[dev_idx]) for t in every_tensor(dev)]
     for t in every_tensor(dev):
@@ -71,8 +69,16 @@ def test_registered_pool_roundtrip_and_pieces(backend, recorded, kind, layout, i
     assert sorted(recorded["unregister"]) == sorted(a for a, _ in recorded["register"])
 
 
+def sent_copies(backend, monkeypatch) -> list[tuple[int, int]]:
+    """(destination, bytes) of every 1-D copy the backend's copier is handed from now on."""
+    sent, copier = [], backend.copier
+    real = copier.memcpy_batch
+    monkeypatch.setattr(copier, "memcpy_batch", lambda batch, stream: sent.extend(zip(batch.dst.tolist(), batch.sizes.tolist())) or real(batch, stream))
+    return sent
+
+
 @pytest.mark.parametrize("io", ["direct", "staged"])
-def test_no_copy_spans_two_pieces_of_k_or_of_v(backend, recorded, io, gen):
+def test_no_copy_spans_two_pieces_of_k_or_of_v(backend, recorded, io, gen, monkeypatch):
     """K's and V's pages differ in size, so their pieces hold different page counts: runs
     consecutive on both sides are cut where either tensor's piece ends, never only V's."""
     if io not in backend.io_backends or (io == "staged" and not backend.kernel_reads_registered_memory):
@@ -81,10 +87,10 @@ def test_no_copy_spans_two_pieces_of_k_or_of_v(backend, recorded, io, gen):
     host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend=io, host_memory="registered")
     k_tokens, v_tokens = host._memory.registration_tokens
     assert k_tokens != v_tokens, "the geometry must give K and V pieces of different page counts"
-    copies = []
+    copies = sent_copies(backend, monkeypatch)
     if io == "staged":
-        mover = host._mover("staged")
-        mover.rule = EVERY_PLAN  # a GPU's rule leaves a transfer this small to the kernel path
+        mover = host._io_context.mover("staged")
+        mover.rule = EVERY_SCHEDULE  # a GPU's rule leaves a transfer this small to the kernel path
         memcpy_2d = mover.memcpy_2d
 
         def recording(dst, dst_pitch, src, src_pitch, width, height, stream):
@@ -97,10 +103,6 @@ def test_no_copy_spans_two_pieces_of_k_or_of_v(backend, recorded, io, gen):
         randomize(t, gen)
     idx = torch.arange(0, 64)  # consecutive on both sides: every run may merge across pages
     host.backup_from_device_all_layer(dev, idx, idx.to(dev.device))
-    if io == "direct":
-        pairs = host._bind(dev, range(host.layer_num)).pairs
-        batch = copy_batch(Transfer(False, pairs, host._validator(idx.clone(), idx.to(dev.device), dev.size, False), range(2), 4))
-        copies = list(zip(batch.dst.tolist(), batch.sizes.tolist()))
     assert copies, "the transfer made no host copy to check"
     ranges = sorted(recorded["register"])
     for address, size in copies:

@@ -86,7 +86,7 @@ def test_batched_copies_match_oracle(backend, pool, layout, page_size, kind, sta
     sees rows of 1 MiB on average; here every plan), bit for bit."""
     if backend.device.type != "cpu":
         pytest.skip("the GPUs' rule batches only large rows; tests/gpu batches these on a GPU")
-    monkeypatch.setattr(staged, "EVERY_PLAN", replace(staged.EVERY_PLAN, batch_row_bytes=0))
+    monkeypatch.setattr(staged, "EVERY_SCHEDULE", replace(staged.EVERY_SCHEDULE, batch_row_bytes=0))
     if STAGING[staging] is not None:
         monkeypatch.setenv("PORTABLE_KV_STAGING_BYTES", str(STAGING[staging]))
     host_idx, dev_idx = placement(kind, layout, page_size, gen)

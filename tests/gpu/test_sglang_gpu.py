@@ -283,7 +283,7 @@ def test_controller_streams_and_per_layer_waits_are_bit_exact(kit, gpu, compute,
         assert torch.device(stack.kvcache.device).type == "cuda" and all(b.is_cuda for b in stack.device_buffers().values())
         if path == "staged":  # stage these small transfers too (the shipped rule sends them to the kernel path)
             for pool in pools.values():
-                pool._mover("staged").rule = staged.EVERY_PLAN
+                pool._mover("staged").rule = staged.EVERY_SCHEDULE
         engine = stack.controller.l2_transfer_engine
         model_stream = torch.cuda.current_stream().cuda_stream
 

@@ -31,7 +31,7 @@ def gpu(request):
 
 
 # The host-side copies as 2-D copies, and as their rows in one batched call a chunk.
-COPIES = {"2d": staged.EVERY_PLAN, "batched": replace(staged.EVERY_PLAN, batch_row_bytes=0)}
+COPIES = {"2d": staged.EVERY_SCHEDULE, "batched": replace(staged.EVERY_SCHEDULE, batch_row_bytes=0)}
 
 
 def pools(layout: str, page_size: int, io: str = "staged", layers: int = 4, pages: int = 64, seed: int = 3, copies: str = "2d"):

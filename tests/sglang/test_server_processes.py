@@ -3,15 +3,20 @@ launch command's flags as SGLang 0.5.23's own parser reads them."""
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 from importlib.metadata import PackageNotFoundError, distribution, entry_points
+from types import ModuleType
 
 import pytest
+from kernelkit import sgl_kernel_or_standin
 from sglangkit import SKIP_REASON
 
 pytest.importorskip("sglang.srt.plugins", reason=SKIP_REASON)
 
 import portable_kv.engines.sglang as pk_sglang  # noqa: E402
+
+SGL_KERNEL = sgl_kernel_or_standin()
 
 # The README's MiMo-V2-Flash command, after `python -m sglang.launch_server`.
 MIMO_V2_FLASH_FLAGS = [
@@ -56,6 +61,15 @@ def scheduler_like(enabled: str, results) -> None:
     results.put((chosen, moved))
 
 
+@pytest.fixture(scope="module")
+def assembler() -> ModuleType:
+    """SGLang's pool assembler, where SGLang's modules import here: on a GPU host they need sgl_kernel (kernelkit)."""
+    try:
+        return importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
+    except Exception as exc:
+        pytest.skip(f"SGLang's pool assembler does not import here (sgl_kernel: {SGL_KERNEL}): {type(exc).__name__}: {exc}")
+
+
 def run_spawned(enabled: str):
     # One spawned process: it imports SGLang afresh, which takes about a minute on two cores.
     context = multiprocessing.get_context("spawn")  # SGLang starts its schedulers this way
@@ -82,24 +96,22 @@ def test_the_package_registers_a_general_plugin_with_sglang():
     assert registered["portable_kv"].load() is pk_sglang.plugin
 
 
-def test_a_spawned_scheduler_builds_portable_kv_pools_where_the_setting_asks():
+def test_a_spawned_scheduler_builds_portable_kv_pools_where_the_setting_asks(assembler):
     assert run_spawned("1") == ("SGLangHostPool", True)
 
 
-def test_without_the_setting_the_plugin_changes_nothing(monkeypatch):
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-
+def test_without_the_setting_the_plugin_changes_nothing(monkeypatch, assembler):
     monkeypatch.delenv("PORTABLE_KV_SGLANG", raising=False)
-    sglangs_own = hybrid_pool_assembler.get_mha_host_pool_cls
+    sglangs_own = assembler.get_mha_host_pool_cls
     pk_sglang.plugin()
-    assert hybrid_pool_assembler.get_mha_host_pool_cls is sglangs_own
+    assert assembler.get_mha_host_pool_cls is sglangs_own
     monkeypatch.setenv("PORTABLE_KV_SGLANG", "1")
     pk_sglang.plugin()
     try:
-        assert hybrid_pool_assembler.get_mha_host_pool_cls is not sglangs_own
+        assert assembler.get_mha_host_pool_cls is not sglangs_own
     finally:
         pk_sglang.uninstall()
-    assert hybrid_pool_assembler.get_mha_host_pool_cls is sglangs_own
+    assert assembler.get_mha_host_pool_cls is sglangs_own
 
 
 def test_the_mimo_v2_flash_command_parses_with_sglangs_own_parser():

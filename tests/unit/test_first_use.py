@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -258,3 +259,33 @@ def test_a_compile_lock_held_too_long_is_named(clean_env, tmp_path):
             spec.build(lambda _: pytest.fail("compiled while another process held the lock"))
     assert str(raised.value).startswith(f"kernel cache: waited 0.2 s for the lock file {lock}, held by a process compiling the same kernel")
     assert spec.build(lambda _: b"image") == b"image"  # the lock released, the next build compiles
+
+
+@pytest.fixture
+def kernelkit(monkeypatch):
+    """tests/sglang/kernelkit.py, with sys.path and any sgl_kernel module put back after the test."""
+    path = Path(__file__).resolve().parents[1] / "sglang" / "kernelkit.py"
+    spec = importlib.util.spec_from_file_location("kernelkit_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    before = {n: m for n, m in sys.modules.items() if n.split(".")[0] == "sgl_kernel"}
+    yield module
+    for name in [n for n in sys.modules if n.split(".")[0] == "sgl_kernel"]:
+        del sys.modules[name]
+    sys.modules.update(before)
+
+
+def test_sglang_gets_the_sgl_kernel_stand_in_on_a_gpu_host_without_sgl_kernel(kernelkit, monkeypatch):
+    import torch
+
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        pytest.skip("sgl_kernel is installed here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kernelkit.sgl_kernel_or_standin() == "not needed (no GPU)" and str(kernelkit.STANDINS) not in sys.path
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kernelkit.sgl_kernel_or_standin() == "stand-in"
+    import sgl_kernel
+
+    assert sgl_kernel.__version__ == "0.0.0+standin" and sys.path[0] == str(kernelkit.STANDINS)
+    assert kernelkit.sgl_kernel_or_standin() == "stand-in" and sys.path.count(str(kernelkit.STANDINS)) == 1

@@ -102,7 +102,7 @@ def test_page_head_per_layer_rows_are_one_head_row():
     staged_plan = plan("page_head", P, page_slots([2, 3], P), range(1, 2))
     k, _ = staged_plan.copies
     assert set(k.width.tolist()) == {KD * ITEM} and k.height.sum() * k.width[0] == 2 * P * K_TOKEN
-    assert not staged.LINK_RULE.carries(staged_plan) and staged.EVERY_PLAN.carries(staged_plan)
+    assert not staged.LINK_RULE.carries(staged_plan) and staged.EVERY_SCHEDULE.carries(staged_plan)
 
 
 def test_pitches_past_the_device_maximum_become_rows_of_their_own(monkeypatch):

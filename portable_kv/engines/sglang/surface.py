@@ -96,6 +96,11 @@ class SGLangSurface(HostSlots, PhysicalNames):
     # -- sizes --------------------------------------------------------------------------
 
     @property
+    def end_layer(self) -> int:
+        """One past the last model layer this pool holds (SGLang's pools store SGLang's value instead)."""
+        return self.start_layer + self.layer_num
+
+    @property
     def logical_size(self) -> int:
         """Slots the radix tree sees; without decode context parallelism, `size`."""
         return self.size * self.dcp_size

@@ -1,9 +1,9 @@
 """The package's logger, `portable_kv`, and the lines it logs.
 
-Its level comes from PORTABLE_KV_LOG_LEVEL (default WARNING), applied when the
-package is imported where the variable is set (so that lines logged before any
-pool, SGLang's `install()` line among them, follow it), else when the logger is
-first asked for.  Where the variable is set, a stderr handler is added once,
+Its level comes from PORTABLE_KV_LOG_LEVEL (default WARNING), applied when this
+module is imported (with the pools, or SGLang's glue) where the variable is set,
+so that lines logged before any pool is built, SGLang's `install()` line among
+them, follow it; else when the logger is first asked for.  Where the variable is set, a stderr handler is added once,
 unless the logger has a handler of its own or the application's root handlers
 already show records of that level: an engine that set up logging gets
 portable_kv's records through its own handlers, once, and a script that did

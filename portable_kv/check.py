@@ -82,7 +82,7 @@ def roundtrip(layout: str, io_backend: str, geometry: Geometry = GEOMETRY, seed:
             host.load_to_device_per_layer(dev, host_idx, dst, layer)
         host.backend.synchronize()
         seconds = time.perf_counter() - start
-        moved = 2 * src.numel() * host.get_size_per_token()
+        moved = 2 * src.numel() * host.token_bytes
     untouched = torch.ones(g.tokens, dtype=torch.bool)
     untouched[dst] = False
     for (name, layers), originals in zip(buffers, original):
@@ -144,7 +144,7 @@ def _storage_roundtrip(pool: str, g: Geometry, seed: int) -> CheckResult | None:
             keys = [f"check-{seed}-{i}" for i in range(half)]
             with storage.LocalStore(host, path) as store:
                 stored, read = store.put(keys, src), store.get(keys, dst)
-            moved = 2 * half * g.page_size * host.get_size_per_token()
+            moved = 2 * half * g.page_size * host.token_bytes
             src_pages, dst_pages = pages[:half], pages[half:2 * half]
             same = all(torch.equal(b[dst_pages], b[src_pages]) for b in map(bits, host.buffers))
     except Exception as exc:  # reported as a FAIL row like the roundtrips above

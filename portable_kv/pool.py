@@ -108,6 +108,11 @@ class HostPool(PageAccess):
         """What a kind of pool reads and checks of its rows before any memory is allocated."""
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of every buffer over all layers."""
+        return self.layer_num * self._geometry.token_elements * self.dtype.itemsize
+
+    @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """The host buffers in page order (K, V; or the latent); empty once closed."""
         return () if self.closed else tuple(getattr(self, name) for name in self.kind.buffers)

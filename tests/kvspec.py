@@ -51,14 +51,9 @@ def host_pool(dev, **kwargs):
 def sglang_host_pool(dev, **kwargs):
     """The host pool of `dev`'s kind with SGLang's surface mixed in, as portable_kv's SGLang
     pools have it (engines/sglang/surface.py), without SGLang's constructor arguments."""
-    from portable_kv.engines.sglang.surface import MLASurface, SGLangSurface
+    from portable_kv.engines.sglang.surface import with_sglang_names
 
-    mla = kind_of(dev) == "MLA"
-    base = pk.MLAHostPool if mla else pk.AsymmetricHostPool
-    cls = type(f"SGLangNamed{base.__name__}", (SGLangSurface, *((MLASurface,) if mla else ()), base), {"_io": lambda self, io: io})
-    pool = cls(dev, **kwargs)
-    pool._init_slots()
-    return pool
+    return with_sglang_names(pk.MLAHostPool if kind_of(dev) == "MLA" else pk.AsymmetricHostPool)(dev, **kwargs)
 
 
 def device_buffers(dev) -> list[list[torch.Tensor]]:

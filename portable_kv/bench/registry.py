@@ -24,8 +24,8 @@ class Section:
 SECTIONS: dict[str, Section] = {
     "all": Section("the ceiling, the peers, every backend x layout x io backend, the MLA rows, and on a GPU the setting sweeps, "
                    "both ways and interference", "run:every_path"),
-    "host-cost": Section("the caller's time in one per-layer load per io backend, small and large, indices on the CPU and on the "
-                         "device, per call and prepared, beside a one-element torch op", "host_cost:measure"),
+    "host-cost": Section("the caller's time in one per-layer load per io backend, small and large: per call, SGLang's hook, prepared, eight "
+                         "index sets in turn, beside SGLang's JIT kernel and a one-element torch op", "host_cost:measure"),
     "both-ways": Section("a load and a backup at once, each direction timed over its own span, for bulk copies and the package's "
                          "paths (GPU)", "run:both_ways"),
     "staged": Section("every io path beside kernel, direct and the peers (SGLang's JIT kernels where SGLang is installed), host "

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...allocator import PageRunAllocator
+from ...mla import MLAHostPool
 
 
 class HostSlots:
@@ -116,7 +117,7 @@ class SGLangSurface(HostSlots, PhysicalNames):
 
     def get_size_per_token(self) -> int:
         """Bytes of every buffer per token over all layers."""
-        return self.layer_num * self._geometry.token_elements * self.dtype.itemsize
+        return self.token_bytes  # type: ignore[attr-defined]
 
     @property
     def size_per_token(self) -> int:
@@ -139,6 +140,19 @@ class SGLangSurface(HostSlots, PhysicalNames):
     def destroy(self) -> None:
         """SGLang's name for `close()`: releases the host memory; idempotent."""
         self.close()  # type: ignore[attr-defined]
+
+
+def with_sglang_names(pool_class: type) -> type:
+    """`pool_class` (a core host pool) with SGLang's surface mixed in and SGLang's io names
+    passed through as they are: what SGLang's pools add to a core pool, without SGLang's
+    constructor (the benchmark's and the tests' SGLang-shaped pools)."""
+    mixins = (SGLangSurface, MLASurface) if issubclass(pool_class, MLAHostPool) else (SGLangSurface,)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        pool_class.__init__(self, *args, **kwargs)
+        self._init_slots()
+
+    return type(f"SGLangNamed{pool_class.__name__}", (*mixins, pool_class), {"__init__": __init__, "_io": lambda self, io: io})
 
 
 class MLASurface:

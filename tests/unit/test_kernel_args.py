@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kvspec import bits
 
-from portable_kv.io import kernel as gpu
 from portable_kv.io import kernel_args as ka
 
 HEADER = Path(ka.__file__).resolve().parents[1] / "kernels_common" / "kv_copy.h"
@@ -77,13 +76,30 @@ def test_roundtrip_through_the_kernel_model(simulated, kind):
     assert width == 16 and block == ka.BLOCK and grid == 1
 
 
-def test_an_mla_launch_leaves_the_second_job_without_a_vector(simulated):
+def launched_args(monkeypatch) -> list[tuple[int, ka.CopyArgs]]:
+    """Each kernel launch on the simulated GPU from now: its parameter address and a copy of
+    the struct as the launch read it (the runtime copies it at the call)."""
+    seen = []
+    launch = fake_gpu.SimulatedRuntime.launch
+
+    def recorded(self, kernel, grid, block, params, stream, shared_bytes=0):
+        if kernel != fake_gpu.BULK_ENTRY:
+            address = ctypes.c_void_p.from_address(params).value
+            seen.append((params, ka.CopyArgs.from_buffer_copy(ka.CopyArgs.from_address(address))))
+        return launch(self, kernel, grid, block, params, stream, shared_bytes)
+
+    monkeypatch.setattr(fake_gpu.SimulatedRuntime, "launch", recorded)
+    return seen
+
+
+def test_an_mla_launch_leaves_the_second_job_without_a_vector(simulated, monkeypatch):
     """One latent buffer, one job: the second starts at the last vector, so no thread takes it."""
     import test_transfers
 
+    seen = launched_args(monkeypatch)
     dev, host = test_transfers.make_pools(simulated, "MLA", "page_first_direct", "kernel", tokens=32, page_size=4, latent_dim=576)
     host.backup_from_device_all_layer(dev, torch.arange(8), torch.arange(8, 16))
-    args = list(simulated.created[-1]()._local.prepared.values())[-1].args
+    (_, args), = seen
     assert args.job[1].vec_begin == args.total_vecs == 8 * host.layer_num * 576 * 2 // 16
     assert args.job[0].chunk_bytes == 576 * 2 and args.job[0].host_base == host.kv_buffer.data_ptr()
 
@@ -116,11 +132,13 @@ def test_property_kernel_model_matches_oracle(simulated):
     check()
 
 
-def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated):
-    """Per-layer calls reuse the prepared launch and change only the layer; a new
-    quota, direction or index set prepares it again."""
+def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated, monkeypatch):
+    """Per-layer calls launch one argument block per plan and direction, changing only its layer;
+    a new block quota reaches the next launch; a backup of other pages interleaved with the
+    loads has a block of its own and leaves the loads' in place."""
     import test_transfers
 
+    seen = launched_args(monkeypatch)
     dev, host = test_transfers.make_pools(simulated, "MHA", "page_first_direct", "kernel", tokens=64, page_size=4, layers=3, k_dim=128, v_dim=64)
     gen = torch.Generator().manual_seed(5)
     test_transfers.fill(dev, host, gen)
@@ -133,17 +151,19 @@ def test_reused_launch_moves_each_layer_and_follows_the_quota(simulated):
             assert torch.equal(bits(dev.k_buffer[layer][d]), bits(host.k_buffer[h // 4, layer, h % 4])), f"K layer {layer} token {h}"
             assert torch.equal(bits(dev.v_buffer[layer][d]), bits(host.v_buffer[h // 4, layer, h % 4])), f"V layer {layer} token {h}"
     assert [grid for _, grid, _ in simulated.runtime.launches[-3:]] == [1, 1, 1]
+    assert [args.layer_begin for _, args in seen] == [0, 1, 2] and {args.layers for _, args in seen} == {1}
+    assert len({params for params, _ in seen}) == 1, "one argument block for the plan's per-layer loads"
+    load_params = seen[0][0]
     simulated.block_quota = 2
     host.load_to_device_per_layer(dev, host_idx, dev_idx, 0)
     assert simulated.runtime.launches[-1][1] == 2, "a new block quota must reach the next launch"
-    # A backup of other pages interleaved with the loads keeps a prepared launch of its own.
-    mover = simulated.created[-1]()
-    before = list(mover._local.prepared.values())[::-1]
     host.backup_from_device_per_layer(dev, torch.arange(0, 4), torch.arange(60, 64), 2)
     assert torch.equal(bits(host.k_buffer[0, 2]), bits(dev.k_buffer[2][60:64]))
     dev.k_buffer[1].zero_()
     host.load_to_device_per_layer(dev, host_idx, dev_idx, 1)
     assert torch.equal(bits(dev.k_buffer[1][dev_idx]), bits(host.k_buffer[4:16, 1].reshape(48, *host.k_buffer.shape[-2:])))
-    prepared = list(mover._local.prepared.values())
-    assert any(launch is before[0] for launch in prepared), "the load's prepared launch was rebuilt after an interleaved backup"
-    assert len(prepared) == min(len(before) + 1, gpu.PREPARED_KEPT)
+    (backup_params, backup), (again, load) = seen[-2:]
+    assert (backup.to_device, backup.tokens, load.to_device, load.layer_begin) == (0, 4, 1, 1)
+    assert backup_params != load_params and again == load_params, "the load's arguments stayed in place beside the backup's"
+    stats = host.stats()
+    assert (stats["load"]["kernel"]["calls"], stats["backup"]["kernel"]["calls"]) == (5, 1)

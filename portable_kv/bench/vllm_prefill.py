@@ -5,8 +5,8 @@ forward; portable_kv's PortableKVLayerwiseConnector enqueues every layer's load
 at once and makes each layer's attention wait for its own and the next layer's
 load (engines/vllm/connector.py), the first layer's before the forward.  Both
 move the hit through the vLLM spec's host tier (`HostTier`: per-layer block
-tensors of vLLM's page, one plan per transfer) on the vendor's default io path
-and on `kernel`.
+tensors of vLLM's page, one plan per transfer) on the vendor's default io path,
+on `kernel`, and on NVIDIA on `direct` (the copy engines).
 
 Per model at one GPU's share and cache hit (4K to 32K tokens) plus 512 new
 tokens: the forward alone, the loads alone, then the time to first token of
@@ -167,11 +167,12 @@ class Prefill:
 
 def measure(ctx: Context) -> list[Row]:
     """Per model and hit: the forward alone, the loads alone, the whole hit then the forward, and layer-wise loading,
-    per io path (the vendor's default and kernel)."""
+    per io path (the vendor's default, kernel, and direct on NVIDIA)."""
     backend = backends.current()
     models, hits = ((LLAMA_3_8B, DEEPSEEK_V3), GPU_HITS) if ctx.gpu else ((CPU_MODEL,), CPU_HITS[:1] if ctx.quick else CPU_HITS)
     new = NEW_TOKENS if ctx.gpu else CPU_NEW_TOKENS
-    ios = list(dict.fromkeys([choose_io(backend, None)["load"], "kernel"]))
+    # The copy engines (direct) take no SMs from the forward; on AMD they are a loop of single copies (io_paths.py).
+    ios = list(dict.fromkeys([choose_io(backend, None)["load"], "kernel", *(["direct"] if backend.vendor == "nvidia" else [])]))
     rate = ceiling_rate(ctx.ceil)
     rows = []
     for model in models:

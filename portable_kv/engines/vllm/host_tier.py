@@ -221,7 +221,7 @@ class PlannedCall:
     pool: int
     layers: tuple[int, ...]
     every_layer: bool  # all of the pool's layers: one all-layer call
-    plan: Any  # the host pool's PreparedTransfer
+    plan: Any  # what the host pool's prepare() returned
 
 
 class TierTransfer:
@@ -238,8 +238,10 @@ class TierTransfer:
     def run(self) -> None:
         """Enqueue every layer on the current stream: one all-layer call per plan that moves all of a pool's layers."""
         for call in self.calls:
-            if call.every_layer:
-                call.plan.load_all() if self.to_device else call.plan.backup()
+            if call.every_layer and self.to_device:
+                call.plan.load_all()
+            elif call.every_layer:
+                call.plan.backup()
             else:
                 for layer in call.layers:
                     self._one(call, layer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from portable_kv import backends
@@ -12,9 +13,16 @@ from portable_kv.bench.measure import Clock
 from portable_kv.engines.vllm.host_tier import Slot
 
 
-def test_the_prefill_rows_run_tiny_on_the_cpu_backend():
-    backend = backends.use("cpu")
-    ctx = SimpleNamespace(gpu=False, quick=True, reps=1, ceil={"memcpy": 10.0}, clock=Clock(backend.device), device=backend.device,
+@pytest.fixture
+def cpu_backend():
+    """The cpu backend bound for the test, the one bound before restored."""
+    before = backends.current().name
+    yield backends.use("cpu")
+    backends.use(before)
+
+
+def test_the_prefill_rows_run_tiny_on_the_cpu_backend(cpu_backend):
+    ctx = SimpleNamespace(gpu=False, quick=True, reps=1, ceil={"memcpy": 10.0}, clock=Clock(cpu_backend.device), device=cpu_backend.device,
                           progress=lambda line: None)
     rows = vllm_prefill.measure(ctx)
     hit = vllm_prefill.CPU_HITS[0]
@@ -27,11 +35,10 @@ def test_the_prefill_rows_run_tiny_on_the_cpu_backend():
     assert rows[1].gbps > 0 and rows[2].gbps == 0
 
 
-def test_layerwise_prefill_loads_every_layer_once_in_order_and_waits_before_each_attention(monkeypatch):
-    backend = backends.use("cpu")
+def test_layerwise_prefill_loads_every_layer_once_in_order_and_waits_before_each_attention(monkeypatch, cpu_backend):
     model = vllm_prefill.CPU_MODEL
-    forward = vllm_prefill.Forward(model, 64, 8, backend.device)
-    hit = vllm_prefill.Hit(model, 64, "kernel", backend.device)
+    forward = vllm_prefill.Forward(model, 64, 8, cpu_backend.device)
+    hit = vllm_prefill.Hit(model, 64, "kernel", cpu_backend.device)
     events: list[tuple] = []
     monkeypatch.setattr(hit.transfer, "run_layers", lambda order: events.append(("loads", tuple(order))))
     monkeypatch.setattr(hit, "wait", lambda *layers: events.append(("wait", *layers)))
@@ -45,10 +52,9 @@ def test_layerwise_prefill_loads_every_layer_once_in_order_and_waits_before_each
     assert events[1:] == [("wait", 0)] + [e for i in range(layers) for e in (("wait", i, i + 1), ("attention",))]
 
 
-def test_a_hit_moves_the_hit_bytes_to_its_blocks():
-    backend = backends.use("cpu")
+def test_a_hit_moves_the_hit_bytes_to_its_blocks(cpu_backend):
     model = vllm_prefill.CPU_MODEL
-    hit = vllm_prefill.Hit(model, 64, "kernel", backend.device)
+    hit = vllm_prefill.Hit(model, 64, "kernel", cpu_backend.device)
     try:
         for t in range(model.layers):
             hit.tier.chunk_view(t).copy_(torch.randint(0, 255, hit.tier.chunk_view(t).shape, dtype=torch.uint8))

@@ -162,3 +162,25 @@ def test_each_job_is_prepared_once_a_pool_and_stores_are_off_the_critical_path(m
         assert torch.equal(tensors[3][[12, 13, 14]], tensors[3][[3, 4, 5]])
     finally:
         worker.shutdown()
+
+
+def test_each_layer_name_finds_its_slots_one_a_layer_or_all_of_a_packed_tensor():
+    from portable_kv.engines.vllm import HostTier
+    from portable_kv.engines.vllm.host_tier import Slot
+
+    io = choose_io(backends.current(), None)
+    tier = HostTier(kv_caches(block_tensors(HYBRID), HYBRID), 1, 4, io)
+    try:
+        # Tensors 0-2 (2048-byte pages) are layers 0-2 of pool 0, tensor 3 (1024) layer 0 of pool 1.
+        assert tier.layer_slots([["a.0", "a.1"], ["b.0", "b.1", "b.2"]]) == {
+            "a.0": (Slot(0, 0),), "a.1": (Slot(0, 1),), "b.0": (Slot(0, 1),), "b.1": (Slot(0, 2),), "b.2": (Slot(1, 0),)}
+        with pytest.raises(ValueError, match="group_layer_names: expected 2 groups, got 1"):
+            tier.layer_slots([["a.0", "a.1"]])
+    finally:
+        tier.close()
+    packed = HostTier(kv_caches(block_tensors(CROSS_LAYER), CROSS_LAYER), 1, 4, io)
+    try:
+        # One tensor holds every layer's block: each layer's KV lands with the whole block.
+        assert packed.layer_slots([[f"layer.{i}" for i in range(4)]]) == {f"layer.{i}": (Slot(0, 0),) for i in range(4)}
+    finally:
+        packed.close()

@@ -125,6 +125,19 @@ def test_a_hit_loads_layer_by_layer_and_each_layer_waits_for_its_own_and_the_nex
     assert stores and all(p["tokens"] > 0 for p in stores)
 
 
+def test_a_layer_the_connector_does_not_know_waits_for_the_whole_hit(monkeypatch, tmp_path):
+    run = engine(tmp_path, layerwise_config())
+    run.leading_layers = ["model.shared.attn"]  # e.g. a layer reading another layer's KV (vLLM's KV sharing)
+    recorded(monkeypatch, run)
+    hit_after_store(run)
+
+    forward = run.trace[run.trace.index(("start_load_kv",)):]
+    forward = forward[: forward.index(("wait", LAYERS[-1])) + 1]
+    assert forward[5:11] == [("landed", 0), ("wait", "model.shared.attn"), ("landed", 1), ("landed", 2), ("landed", 3),
+                             ("write", LAYERS[0])]
+    assert not [e for e in forward[11:] if e[0] == "landed"]  # every layer had landed: nothing left to wait for
+
+
 def final_caches(tmp_path, connector: dict[str, Any], **extra: Any) -> tuple[Engine, dict[str, torch.Tensor]]:
     run = engine(tmp_path, connector, **extra)
     hit_after_store(run)

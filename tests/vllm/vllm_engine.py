@@ -101,6 +101,8 @@ class Engine:
     trace: list[tuple] = field(default_factory=list)
     steps: list[SchedulerOutput] = field(default_factory=list)
     on_step: Callable[[SchedulerOutput], None] | None = None
+    # Attention layers the forward runs before the model's own (a name the connector may not know), each called as a layer is.
+    leading_layers: list[str] = field(default_factory=list)
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int = 1) -> None:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -118,6 +120,9 @@ class Engine:
         if out.has_sync_kv_loads:
             self.trace.append(("start_load_kv",))
             connector.start_load_kv(context)
+        for name in self.leading_layers if out.total_num_scheduled_tokens else []:
+            self.trace.append(("wait", name))
+            connector.wait_for_layer_load(name)
         for layer, name in enumerate(LAYERS):
             if out.total_num_scheduled_tokens:
                 # vLLM writes the layer's new KV (unified_kv_cache_update) before its attention waits.

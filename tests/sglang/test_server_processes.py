@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
-from importlib.metadata import PackageNotFoundError, distribution, entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, distribution, entry_points
 from types import ModuleType
 
 import pytest
@@ -86,17 +86,23 @@ def run_spawned(enabled: str):
     return outcome
 
 
-def test_the_package_registers_a_general_plugin_with_sglang():
+@pytest.fixture
+def entry_point() -> EntryPoint:
+    """portable_kv's entry point in SGLang's plugin group, which SGLang's plugin loader reads."""
     try:
         distribution("portable-kv")
     except PackageNotFoundError:
-        pytest.skip("portable-kv is not installed (imported from a source tree on the path): no entry point to read")
+        pytest.skip("portable-kv is not installed (imported from a source tree on the path): no entry point for SGLang to load")
     registered = {ep.name: ep for ep in entry_points(group="sglang.srt.plugins")}
     assert "portable_kv" in registered, "reinstall portable_kv: its entry point is missing"
-    assert registered["portable_kv"].load() is pk_sglang.plugin
+    return registered["portable_kv"]
 
 
-def test_a_spawned_scheduler_builds_portable_kv_pools_where_the_setting_asks(assembler):
+def test_the_package_registers_a_general_plugin_with_sglang(entry_point):
+    assert entry_point.load() is pk_sglang.plugin
+
+
+def test_a_spawned_scheduler_builds_portable_kv_pools_where_the_setting_asks(entry_point, assembler):
     assert run_spawned("1") == ("SGLangHostPool", True)
 
 

@@ -143,6 +143,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       engine) step engine; bench "${ENGINE_TIMEOUT:-240}" --section engine $BENCH --json "$OUT/engine.json" --markdown "$OUT/engine.md" \
                 > "$OUT/engine.txt" 2>&1; status=$?
               grep -vE "^\[bench\]" "$OUT/engine.txt" | tee -a "$LOG" ;;
+      decode) step decode; bench "${DECODE_TIMEOUT:-480}" --section decode $BENCH --json "$OUT/decode.json" --markdown "$OUT/decode.md" \
+                > "$OUT/decode.txt" 2>&1; status=$?
+              grep -vE "^\[bench\]" "$OUT/decode.txt" | tee -a "$LOG" ;;
       all) step bench; bench "${BENCH_TIMEOUT:-420}" $BENCH --json "$OUT/bench.json" --plot "$OUT/bench.png" --markdown "$OUT/bench.md" \
              > "$OUT/bench.txt" 2>&1; status=$?
            tail -n 40 "$OUT/bench.txt" | tee -a "$LOG" ;;

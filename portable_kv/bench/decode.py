@@ -38,8 +38,8 @@ from .sglang_jit import kernels
 from .workload import Geometry, Workload
 
 SECTION = "decode"
-# Offered to the host tier: 700 MB a 10 ms step at batch 64 / 4K, 70% of the H200's both-ways
-# ceiling (97.7 GB/s), so that a path that moves pages at the link's rate keeps up.
+# Offered to the host tier: 1 GB a 14.5 ms step at batch 64 / 4K on the H200, 70% of its both-ways
+# ceiling (99 GB/s), so that a path that moves pages at the link's rate keeps up.
 OFFERED_GBPS = 70.0
 STEPS = {"full": 100, "quick": 40, "cpu": 6}  # steps a draw: p99 of 100 is the second slowest
 ALONE = "step alone"
@@ -76,7 +76,7 @@ def _measure(ctx: Context) -> list[Row]:
         step = DecodeStep(model, batch, context, layers, ctx.device)
         for name in ctx.names:
             backends.use(name)  # the host pool is bound to the backend current when it is made
-            tier = HostTier(geometry, ctx.sizes[0], layers, ctx.device, ctx.gpu)
+            tier = HostTier(geometry, ctx.sizes[0], layers, ctx.device)
             try:
                 rows += case_rows(ctx, step, tier, name, first=name == ctx.names[0])
             finally:
@@ -94,9 +94,9 @@ class HostTier:
     load of those pages (layers in turn) where n is even, else an all-layer backup of about as
     many bytes from other pages, on both sides."""
 
-    def __init__(self, geometry: Geometry, page_size: int, layers: int, device: torch.device, gpu: bool) -> None:
+    def __init__(self, geometry: Geometry, page_size: int, layers: int, device: torch.device) -> None:
         self.w = w = Workload(geometry, page_size, layers, device)
-        self.page_size, self.layers, self.device, self.gpu = page_size, layers, device, gpu
+        self.page_size, self.layers, self.device, self.gpu = page_size, layers, device, device.type != "cpu"
         self.host = w.host_pool(HOST_LAYOUT, "kernel")
         gen = torch.Generator().manual_seed(5)
         pages = max(1, min(round(w.pages / layers), w.host_pages - w.pages))
@@ -148,7 +148,7 @@ class HostTier:
     def torch_copies(self) -> Callable[[int], None]:
         """A `.copy_` per page and buffer, non_blocking, as engines' per-page swap loops do."""
         p = self.page_size
-        load, backup = ([(h, d) for h, d in zip((hi[::p] // p).tolist(), (di[::p] // p).tolist())] for hi, di in (self.load, self.backup))
+        load, backup = (list(zip((hi[::p] // p).tolist(), (di[::p] // p).tolist())) for hi, di in (self.load, self.backup))
 
         def issue(n: int) -> None:
             for layer in range(self.layers) if n % 2 else (n // 2 % self.layers,):
@@ -282,7 +282,7 @@ def cases(rows: list[Row]) -> list[tuple[Row, list[Row]]]:
 def case_line(alone: Row) -> str:
     e = alone.extra
     return (f"batch {e['batch']} x {e['context']} tokens, {e['layers']} layers, {e['backend']}: step alone {e['p50_ms']:.2f} ms p50, "
-            f"{e['p99_ms']:.2f} p99 ({e['step_gb']:.1f} GB a step, {e['hbm_gbps']:.0f} GB/s); host tier offered {e['offered_gbps']:.1f} GB/s: "
+            f"{e['p99_ms']:.2f} p99 ({e['step_gb']:.3g} GB a step, {e['hbm_gbps']:.0f} GB/s); host tier offered {e['offered_gbps']:.1f} GB/s: "
             f"{e['calls_per_step']:.1f} calls a step of {e['load_bytes'] / 1e6:.0f} MB (a layer's load) and {e['backup_bytes'] / 1e6:.0f} MB "
             f"(an all-layer backup) in turn, page {alone.page_size}")
 
@@ -298,8 +298,15 @@ def table(rows: list[Row], meta: dict) -> str:
                 continue
             lines.append(f"  {r.name:<34} {spread_text(e, 'p50_x', '.3f'):>26} {spread_text(e, 'p99_x', '.3f'):>26} "
                          f"{spread_text(e, 'gbps', '.1f'):>22} {e['kept_pct']:>13.0f}% {e['host_ms']:>13.3f}"
-                         + ("" if e.get("verified", True) else "  NOT VERIFIED") + (f"  auto took {e['auto_took']}" if "auto_took" in e else ""))
+                         + ("" if e.get("verified", True) else "  NOT VERIFIED"))
+        lines += [f"  {note}" for note in notes(paths)]
     return "\n".join(lines + ["", *LEGEND])
+
+
+def notes(paths: list[Row]) -> list[str]:
+    """Which paths auto took, and which kernel SGLang's row ran."""
+    return ([f"{r.name} took {r.extra['auto_took']}" for r in paths if "auto_took" in r.extra]
+            + [f"{r.name}: SGLang {r.extra['sglang']}, {r.extra['kernel']}; its backups: that kernel a layer at a time" for r in paths if "kernel" in r.extra])
 
 
 def markdown(rows: list[Row], meta: dict) -> str:
@@ -310,4 +317,5 @@ def markdown(rows: list[Row], meta: dict) -> str:
         lines += [f"| {r.name} | not measured: {r.extra['absent']} | | | | |" if "absent" in r.extra else
                   f"| {r.name} | {spread_text(r.extra, 'p50_x', '.3f')} | {spread_text(r.extra, 'p99_x', '.3f')} | "
                   f"{spread_text(r.extra, 'gbps', '.1f')} | {r.extra['kept_pct']:.0f}% | {r.extra['host_ms']:.3f} |" for r in paths]
+        lines += ["", *notes(paths)] if notes(paths) else []
     return "\n".join(lines + ["", " ".join(LEGEND)]) + "\n"

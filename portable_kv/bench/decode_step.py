@@ -1,6 +1,6 @@
-"""The decode section's model: one decode step of a dense GQA model, bound by memory as an
-engine's decode is, on the compute stream; on a GPU the whole step replays as one CUDA graph,
-as engines replay their decode steps.
+"""The decode section's step and its clock: one decode step of a dense GQA model, bound by
+memory as an engine's decode is, on the compute stream (on a GPU one CUDA graph), and
+`run_steps`, which times steps with the host tier's calls issued before each.
 
 Each layer: the qkv projection, the new token's K and V appended to every request's context,
 attention over that context as two batched matmuls (a KV head's query heads against its K,
@@ -50,7 +50,7 @@ class DecodeModel:
 
 
 # Llama-3-8B's shape: 32 layers, GQA of 32 query heads over 8 KV heads of 128, MLP 14336, bf16;
-# 15 GB of weights a step, so that a step at batch 64 / 4K context (34 GB of KV) lasts ~10 ms on an H200.
+# 14 GB of weights a step: a step at batch 64 / 4K context (34 GB of KV) took 14.5 ms on the H200 (3.3 TB/s).
 GPU_MODEL = DecodeModel("Llama-3-8B shape", 32, 4096, 32, 8, 128, 14336, torch.bfloat16)
 # The CPU backend's stand-in: the same structure small enough that a step takes a millisecond.
 CPU_MODEL = DecodeModel("scaled for the CPU backend", 2, 256, 4, 2, 32, 512, torch.float32)
@@ -110,8 +110,8 @@ class DecodeStep:
             self._layer(i)
 
     def _graph(self, device: torch.device) -> Callable[[], None]:
-        """The step as one CUDA graph: launched layer by layer from Python, its ~400 kernels
-        would keep a batch-16 step waiting on the host, which an engine's graph does not."""
+        """The step as one CUDA graph, as SGLang and vLLM replay their decode steps: launching the
+        step costs the host one call, so the host's time a step is the transfer calls' own."""
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # once outside capture: cuBLAS chooses its kernels and workspace

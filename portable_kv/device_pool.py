@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from . import backends
-from .cache import IdentityCache
 
 
 class PoolKind(NamedTuple):
@@ -234,15 +233,10 @@ class DeviceGeometry:
         return ", ".join([f"{self.layers} layers", *(f"{label} {h}x{d}" for label, (h, d) in zip(self.kind.labels, self.shapes))])
 
 
-# Checked once per set of per-layer tensors: an engine that swaps a buffer gets it re-checked.
-_geometry_cache: IdentityCache[DeviceGeometry] = IdentityCache(64)
-
-
 def device_geometry(pool: Any, kind: PoolKind = MHA) -> DeviceGeometry:
-    lists: list[Any] = [getattr(pool, name, None) for name in kind.buffers]
-    if not all(isinstance(b, Sequence) for b in lists):
-        return DeviceGeometry(pool, kind)  # raises the error that names what is missing
-    return _geometry_cache.get([t for b in lists for t in b], lambda: DeviceGeometry(pool, kind), key=kind.name)
+    """The checked geometry of an engine's device pool: a host pool asks once per device pool it
+    is bound to, and again where the engine swaps a per-layer tensor (pool.py's binding)."""
+    return DeviceGeometry(pool, kind)
 
 
 def positive_int(name: str, value: Any) -> int:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import time
+import weakref
+from collections import OrderedDict
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .cache import IdentityCache
 from .device_pool import DeviceGeometry
 from .indices import IndexPair
 from .io.context import IoContext, Landed
@@ -73,8 +74,8 @@ class TransferPlan:
         self.host_indices, self.device_indices = (host, dev) if owned else (owned_int64(host), owned_int64(dev))
         # CPU values the caller's tensors must still hold for the per-call API to reuse this
         # plan (version counters miss writes through .numpy(), .data or DLPack).
-        self._snapshots = None if owned else tuple(_snapshot(given, copy) for given, copy in
-                                                   ((host, self.host_indices), (dev, self.device_indices)))
+        snapshots = () if owned else tuple(_snapshot(given, copy) for given, copy in ((host, self.host_indices), (dev, self.device_indices)))
+        self.snapshots = snapshots if any(s is not None for s in snapshots) else None
         self.tokens = int(host.numel())
         self._layers = [range(layer, layer + 1) for layer in range(pool.layer_num)]
         self._all = range(pool.layer_num)
@@ -112,23 +113,30 @@ class TransferPlan:
     # -- one call ----------------------------------------------------------------------------
 
     def _call(self, to_device: bool, layers: range) -> None:
-        pool, context = self.pool, self._context
-        if pool.closed:
+        context = self._context
+        if self.pool.closed:
             raise ValueError("host pool: the pool is closed")
         started = time.perf_counter()
         try:
             if self.fixed:
-                self._check_buffers(layers)
+                binding = self.binding
+                for name, held in binding.held:  # type: ignore[union-attr]
+                    given = getattr(binding.device_pool, name, None)  # type: ignore[union-attr]
+                    first = layers.start
+                    if (type(given) is not list or len(given) != len(held)
+                            or (given[first] is not held[first] if len(layers) == 1 else any(given[i] is not held[i] for i in layers))):
+                        raise ValueError(f"plan: the device pool's {name} was replaced after prepare(); prepare the transfer again")
             launch = self._launches.get((to_device, len(layers)))
             if launch is None:
                 launch = self._build(to_device, layers)
             if not self.tokens:
                 return
-            context.bad_index.check()
+            flag = context.bad_index
+            if flag.word[0]:
+                flag.check()
             if not to_device:
                 context.host_writes += 1
-            streams = context.streams
-            stream = streams.current()
+            stream = context.streams.current()
             timing = context.in_flight.begin(stream)
             launch.run(layers, stream)
         except (ValueError, TypeError, RuntimeError) as exc:
@@ -175,23 +183,18 @@ class TransferPlan:
         self._bytes_per_layer = int(sum(self.tokens * p.device_token_bytes for p in binding.pairs))
         self._launches.clear()
 
-    def _check_buffers(self, layers: range) -> None:
-        """A plan of prepare() moves the buffers it was bound to: one replaced since raises."""
-        binding = self.binding
-        assert binding is not None
-        for name, held in binding.held:
-            given = getattr(binding.device_pool, name, None)
-            if type(given) is not list or len(given) != len(held) or any(given[i] is not held[i] for i in layers):
-                raise ValueError(f"plan: the device pool's {name} was replaced after prepare(); prepare the transfer again")
-
     # -- the per-call API's reuse -------------------------------------------------------------
 
     def holds(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
-        """Whether the caller's CPU-resident tensors still hold the values this plan copied."""
-        if self._snapshots is None:
-            return True
-        for given, snapshot in zip((host_indices, device_indices), self._snapshots):
-            if snapshot is not None and not _same_values(given, snapshot):
+        """Whether the caller's CPU-resident tensors still hold the values this plan copied: one
+        memcmp each where the caller's tensor is dense, a fraction of torch.equal's time."""
+        for given, snapshot in zip((host_indices, device_indices), self.snapshots or ()):
+            if snapshot is None:
+                continue
+            if given.dtype == snapshot.dtype and given.is_contiguous() and given.numel() == snapshot.numel():
+                if _memcmp(given.data_ptr(), snapshot.data_ptr(), given.numel() * given.element_size()):
+                    return False
+            elif not torch.equal(given, snapshot):
                 return False
         return True
 
@@ -207,16 +210,9 @@ def _snapshot(given: torch.Tensor, copy: torch.Tensor) -> torch.Tensor | None:
     return copy if given.dtype == copy.dtype else given.clone(memory_format=torch.contiguous_format)
 
 
-def _same_values(given: torch.Tensor, snapshot: torch.Tensor) -> bool:
-    """Whether CPU indices still hold the snapshot's values: one memcmp where the caller's
-    tensor is dense, a fraction of torch.equal's time (docs/DESIGN.md, "The host path")."""
-    if given.dtype == snapshot.dtype and given.is_contiguous() and given.numel() == snapshot.numel():
-        return _memcmp(given.data_ptr(), snapshot.data_ptr(), given.numel() * given.element_size()) == 0
-    return torch.equal(given, snapshot)
-
-
 # Plans the per-call API keeps: an engine interleaves a few transfers (a per-layer load, a
-# backup of other pages, a prefetch), each a pair of index tensors it passes every call.
+# backup of other pages, a prefetch, several requests), each a pair of index tensors it
+# passes every call; the least recently used goes first.
 PLANS_KEPT = 16
 
 
@@ -224,34 +220,52 @@ class PlanMemo:
     """The per-call API's one memo: the caller's index tensors (by identity, and version counter
     where they have one) and io path to a plan, which must still hold the tensors' CPU values.
 
-    GPU-resident indices made under torch.inference_mode() have neither a version counter
-    nor values to compare without a device round trip: they get a new plan each call
-    (`prepare()` keeps one).  The pool's own copies (SGLang's `prepare_transfer_indices`)
-    are found by identity alone: nobody writes them."""
+    An entry refers to the tensors weakly, so it never keeps them alive, and a new tensor at
+    a dead one's address is never mistaken for it.  GPU-resident indices made under
+    torch.inference_mode() have neither a version counter nor values to compare without a
+    device round trip: they get a new plan each call (`prepare()` keeps one).  The pool's
+    own copies (SGLang's `prepare_transfer_indices`) are found by identity alone: nobody
+    writes them."""
 
     def __init__(self) -> None:
-        self._plans: IdentityCache[TransferPlan] = IdentityCache(PLANS_KEPT)
+        self._plans: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, tuple, TransferPlan]] = OrderedDict()
 
     def find(self, host_indices: Any, device_indices: Any, io: str, background: bool) -> TransferPlan | None:
-        if type(host_indices) is not torch.Tensor or type(device_indices) is not torch.Tensor:
+        entry = self._plans.get((id(host_indices), id(device_indices), io, background))
+        if entry is None or entry[0]() is not host_indices or entry[1]() is not device_indices:
             return None
-        stamp = _stamp(host_indices, device_indices)
-        if stamp is None:
+        inference = host_indices.is_inference() or device_indices.is_inference()
+        if entry[2] != (_stamp(host_indices, device_indices) if inference else (host_indices._version, device_indices._version)):
             return None
-        plan = self._plans.lookup((host_indices, device_indices), stamp, (io, background))
-        return plan if plan is not None and plan.holds(host_indices, device_indices) else None
+        plan = entry[3]
+        return plan if plan.snapshots is None or plan.holds(host_indices, device_indices) else None
 
     def keep(self, host_indices: torch.Tensor, device_indices: torch.Tensor, plan: TransferPlan) -> None:
         stamp = _stamp(host_indices, device_indices)
-        if stamp is not None:
-            self._plans.store((host_indices, device_indices), plan, stamp, (plan.io, plan.background))
+        if stamp is None:
+            return
+        key = (id(host_indices), id(device_indices), plan.io, plan.background)
+        plans = weakref.ref(self._plans)
+
+        def forget(_: object) -> None:
+            alive = plans()
+            if alive is not None and alive.get(key, (None,) * 4)[3] is plan:
+                del alive[key]
+
+        self._plans[key] = (weakref.ref(host_indices, forget), weakref.ref(device_indices, forget), stamp, plan)
+        self._plans.move_to_end(key)
+        while len(self._plans) > PLANS_KEPT:
+            self._plans.popitem(last=False)
 
     def clear(self) -> None:
         self._plans.clear()
 
 
-def _stamp(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple[int | None, int | None] | None:
-    """The tensors' version counters; None where a plan of them cannot be found again."""
+def _stamp(host_indices: Any, device_indices: Any) -> tuple | None:
+    """The tensors' version counters; None where a plan of them cannot be found again (not
+    tensors, or GPU-resident ones made under inference mode)."""
+    if type(host_indices) is not torch.Tensor or type(device_indices) is not torch.Tensor:
+        return None
     versions = []
     for t in (host_indices, device_indices):
         if not t.is_inference():
@@ -260,4 +274,4 @@ def _stamp(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple[in
             versions.append(None)  # no counter: the CPU values are compared on every reuse
         else:
             return None
-    return versions[0], versions[1]
+    return tuple(versions)

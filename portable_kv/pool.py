@@ -96,6 +96,7 @@ class HostPool(PageAccess):
         self._binding: Binding | None = None
         self._io_context = IoContext(self.backend.device, self.backend.mover, self.backend.copier.streams())
         self._plans = PlanMemo()
+        self._layer_ranges = [range(layer, layer + 1) for layer in range(self.layer_num)]
         self._io_context.mover(self.io_backend)
         logger = package_logger()
         if logger.isEnabledFor(logging.INFO):
@@ -200,7 +201,8 @@ class HostPool(PageAccess):
         speculative draft model's layers; a host pool holds one model, so it
         changes nothing here.
         """
-        self._transfer(device_pool, host_indices, device_indices, self._layer(layer_id), True, io_backend, background)
+        layers = self._layer_ranges[layer_id] if type(layer_id) is int and 0 <= layer_id < self.layer_num else self._layer(layer_id)
+        self._transfer(device_pool, host_indices, device_indices, layers, True, io_backend, background)
 
     def load_to_device_all_layer(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
                                  io_backend: str | None = None, background: bool = False) -> None:
@@ -224,7 +226,9 @@ class HostPool(PageAccess):
         if self.closed:
             raise ValueError("host pool: the pool is closed")
         try:
-            io = self._io_path(io_backend)
+            io = self.io_backend if io_backend is None else io_backend
+            if type(io) is not str or io not in self._io_context.movers:
+                io = self._io_path(io_backend)
             binding = self._bind(device_pool, layers)
             plan = self._plans.find(host_indices, device_indices, io, background)
             if plan is None:

@@ -62,18 +62,18 @@ class BadIndexFlag:
 
     def __init__(self, device: torch.device) -> None:
         self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=device.type != "cpu")
-        self._view = self.tensor.numpy()
+        self.word = self.tensor.numpy()  # nonzero once raised: a call reads it without a call of its own
 
     @property
     def address(self) -> int:
         return self.tensor.data_ptr()
 
     def set(self) -> None:
-        self._view[0] = 1
+        self.word[0] = 1
 
     def check(self) -> None:
-        if self._view[0]:
-            self._view[0] = 0
+        if self.word[0]:
+            self.word[0] = 0
             raise RuntimeError(
                 "portable_kv: an earlier transfer met token indices outside the pools and skipped them "
                 "(nothing outside the pools was written); validate indices, or keep validate=True"

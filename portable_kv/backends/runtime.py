@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from .. import config
+from ..io.copier import Copier, CopyBatch
 from ..io.direct import DirectMover
-from ..io.copier import CopyBatch, Copier
 from ..io.mover import Mover
 from ..io.streams import DeviceStreams, Streams
 from .jit import KernelSpec

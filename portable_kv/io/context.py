@@ -80,9 +80,14 @@ class Landed:
             self._streams.wait(handle, self._timing.end)
 
 
+# Event pairs made at once where none is free: reading back costs a query a call, so it is
+# done when the free pairs run out (and at stats()), for every completed call at once.
+TIMINGS_MADE = 32
+
+
 class InFlight:
     """A pool's calls whose device time is not read yet: each call's events are read back
-    once they complete (at a later call, or at stats()), then reused."""
+    once they complete (when the free pairs run out, and at stats()), then reused."""
 
     def __init__(self, streams: Streams) -> None:
         self.streams = streams
@@ -91,11 +96,15 @@ class InFlight:
         self._lock = threading.Lock()  # two threads' calls must not read back one call twice
 
     def begin(self, stream: Any) -> CallTiming:
-        if self._pending:
-            self.read_back()
-        timing = self._free.pop() if self._free else CallTiming(self.streams)
+        timing = self._free.pop() if self._free else self._refill()
         self.streams.record(timing.start, stream)
         return timing
+
+    def _refill(self) -> CallTiming:
+        self.read_back()
+        if not self._free:
+            self._free.extend(CallTiming(self.streams) for _ in range(TIMINGS_MADE))
+        return self._free.pop()
 
     def end(self, timing: CallTiming, stream: Any, row: StatsRow) -> None:
         self.streams.record(timing.end, stream)

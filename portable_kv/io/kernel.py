@@ -9,6 +9,7 @@ same kernel between a staging slot in device memory and the KV buffers (io/stage
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
@@ -53,13 +54,17 @@ class KernelLaunch(Launch):
         self.kernel_args, self.args, self.params = kernel_args, kernel_args.args, kernel_args.params
         self.kernel = backend.kernels()[kernel_args.width]
         self.quota, self.grid = 0, 1
+        self.thread = threading.get_ident()  # build() bound it to the device
 
     def run(self, layers: range, stream: int | None) -> None:
-        self.runtime.bind_thread()
+        if threading.get_ident() != self.thread:
+            self.runtime.bind_thread()
+            self.thread = threading.get_ident()
         quota = self.fixed_quota or self.backend.block_quota  # assignable between calls
         if quota != self.quota:
             self.quota, self.grid = quota, grid_size(self.args.total_vecs, quota)
-        self.made.order(stream)
+        if stream not in self.made.seen:
+            self.made.order(stream)
         self.args.layer_begin = layers.start
         self.runtime.launch(self.kernel, self.grid, BLOCK, self.params, stream)
 

@@ -134,14 +134,14 @@ class InlineStreams:
     def __init__(self, handle: Callable[[], int]) -> None:
         self._handle = handle
 
-    def current(self) -> None:
-        return None
+    def current(self) -> int:
+        return self._handle()
 
-    def side(self, current: None, count: int = 2) -> tuple[None, ...]:
-        return (None,) * count
+    def side(self, current: int, count: int = 2) -> tuple[int, ...]:
+        return (current,) * count
 
     @staticmethod
-    def using(stream: None) -> contextlib.nullcontext:
+    def using(stream: int) -> contextlib.nullcontext:
         return contextlib.nullcontext()
 
     @staticmethod
@@ -153,16 +153,16 @@ class InlineStreams:
     def elapsed(start: list[float], end: list[float]) -> float:
         return end[0] - start[0]
 
-    def handle(self, stream: None) -> int:
+    def handle(self, stream: int) -> int:
         return self._handle()
 
     @staticmethod
-    def record(event: list[float] | None, stream: None) -> None:
+    def record(event: list[float] | None, stream: int) -> None:
         if event is not None:
             event[0] = time.perf_counter()
 
     @staticmethod
-    def wait(stream: None, event: None) -> None:
+    def wait(stream: int, event: None) -> None:
         return None
 
     @staticmethod
@@ -174,11 +174,11 @@ class InlineStreams:
         return True
 
     @staticmethod
-    def fork(current: None, sides: Sequence[None]) -> None:
+    def fork(current: int, sides: Sequence[int]) -> None:
         return None
 
     @staticmethod
-    def join(current: None, sides: Sequence[None]) -> None:
+    def join(current: int, sides: Sequence[int]) -> None:
         return None
 
 
@@ -189,13 +189,13 @@ class MadeOn:
     """Device data a launch made on one stream (index copies, piece lists): another stream
     waits for it once, before its first use there."""
 
-    __slots__ = ("_streams", "_event", "_seen")
+    __slots__ = ("_streams", "_event", "seen")
 
     def __init__(self, streams: Streams, stream: Any) -> None:
-        self._streams, self._event, self._seen = streams, streams.event(), {stream}
+        self._streams, self._event, self.seen = streams, streams.event(), {stream}  # seen: the streams ordered so far
         streams.record(self._event, stream)
 
     def order(self, stream: Any) -> None:
-        if stream not in self._seen:
+        if stream not in self.seen:
             self._streams.wait(stream, self._event)
-            self._seen.add(stream)
+            self.seen.add(stream)

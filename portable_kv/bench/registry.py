@@ -43,4 +43,8 @@ SECTIONS: dict[str, Section] = {
                       "loads and backups of other pages issued beside it on a side stream, per io path and beside torch's copy_ per page "
                       "and SGLang's JIT kernel: the step's p50 and p99 against the step alone, the host tier's GB/s",
                       "decode:measure", table="decode:table", markdown="decode:markdown"),
+    "vllm-prefill": Section("a vLLM 0.33.0 cache-hit prefill (Llama-3-8B, DeepSeek-V3's TP8 share; 4K-32K hit + 512 new tokens): the whole "
+                            "hit loaded then the forward (OffloadingConnector) against layer-wise loads beside it "
+                            "(PortableKVLayerwiseConnector), per io path, as ms and x of max(forward, loads at the ceiling)",
+                            "vllm_prefill:measure"),
 }

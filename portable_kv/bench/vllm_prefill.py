@@ -175,6 +175,7 @@ def measure(ctx: Context) -> list[Row]:
     ios = list(dict.fromkeys([choose_io(backend, None)["load"], "kernel", *(["direct"] if backend.vendor == "nvidia" else [])]))
     rate = ceiling_rate(ctx.ceil)
     rows = []
+    ctx.progress.expect(len(models) * len(hits) * len(ios))
     for model in models:
         for hit in hits:
             ctx.progress(f"{SECTION}: {model.name}, {hit} cached + {new} new tokens")
@@ -202,4 +203,5 @@ def measure(ctx: Context) -> list[Row]:
                                         extra={**shared, "io": io, "ms": seconds * 1e3, "x_bound": seconds / bound_s}))
                 finally:
                     hit_tier.close()
+                ctx.progress.done(f"{SECTION}: {model.name}, {hit} cached, {io}")
     return rows

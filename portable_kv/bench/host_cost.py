@@ -103,9 +103,10 @@ def backend_rows(ctx: Context, w: Workload, name: str, size: str) -> list[Row]:
 
 
 def interleaved_sets(w: Workload) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """INTERLEAVED index pairs of the workload's page count, each its own random pages, on the device."""
+    """INTERLEAVED index pairs of the workload's page count, each its own random pages, on the
+    device, where SGLang's controller passes them to its kernel io (and SGLang's kernel takes them)."""
     gen = torch.Generator().manual_seed(1)
-    device = w.dev_idx.device
+    device = w.dev.device
     sets = []
     for _ in range(INTERLEAVED):
         host = w.host_idx.view(-1, w.page_size)[torch.randperm(w.pages, generator=gen)].reshape(-1)

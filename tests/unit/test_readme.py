@@ -176,23 +176,32 @@ def staged_tables(data: dict) -> str:
     return "\n".join(lines)
 
 
-def host_cost_table(text: str) -> str:
-    """docs/PERFORMANCE.md's host-cost table, from the section's terminal output (it writes no JSON)."""
-    found: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        match = re.match(r"^host_cost\s+(.+?)\s+(?:h2d|-)\s+(?:\d+|-)\s+-\s+-\s+([\d.]+)", line)
-        if match:
-            found.setdefault(match.group(1), []).append(match.group(2))
-    backends = ("cuda", "triton")
-    lines = ["| host us per per-layer load, back to back | cuda | cuda, SGLang's `load_to_device_per_layer_physical` | triton | triton, SGLang's |",
-             "|---|---|---|---|---|"]
-    for io in ("kernel", "direct", "staged", "auto"):
-        cells = [found[f"{backend} {what}, {io} io"][0] for backend in backends
-                 for what in ("per-layer load", "SGLang load_to_device_per_layer_physical")]
-        lines.append(f"| {io} io | " + " | ".join(cells) + " |")
-    yardstick = found["yardstick: torch x.add_(1), 1 element"]
-    lines.append(f"| yardstick: torch's one-element `add_` | {yardstick[0]} |  | {yardstick[1]} |  |")
-    return "\n".join(lines)
+HOST_COST_APIS = ("per-layer load", "SGLang hook, load_to_device_per_layer_physical", "prepared plan.load",
+                  "per-layer load, 8 index sets in turn", "prepared plan.load, 8 plans in turn")
+
+
+def host_cost_table(data: dict) -> str:
+    """docs/PERFORMANCE.md's host-cost tables, one per call size: per io path and way of calling,
+    the median host us of its draws and their spread; SGLang's JIT kernel as the peer."""
+    rows = {(r["extra"]["io"], r["extra"]["api"], r["extra"]["pages"]): r for r in data["rows"]
+            if r["section"] == "host_cost" and "api" in r["extra"] and "absent" not in r["extra"]}
+
+    def cell(r: dict) -> str:
+        return f"{r['host_us']:.1f} ({r['extra']['host_us_min']:.1f}-{r['extra']['host_us_max']:.1f})"
+
+    tables = []
+    for pages in sorted({p for _, _, p in rows}):
+        lines = [f"| {pages} pages, host us a call | " + " | ".join(HOST_COST_APIS) + " |", "|---" * (len(HOST_COST_APIS) + 1) + "|"]
+        for io in dict.fromkeys(io for io, _, p in rows if p == pages and io != "peer"):
+            lines.append(f"| {io} io | " + " | ".join(cell(rows[io, api, pages]) for api in HOST_COST_APIS) + " |")
+        peers = {api: r for (io, api, p), r in rows.items() if io == "peer" and p == pages}
+        one = next((r for api, r in peers.items() if "in turn" not in api), None)
+        turn = next((r for api, r in peers.items() if "in turn" in api), None)
+        if one and turn:
+            lines.append(f"| peer: SGLang's JIT kernel | {cell(one)} |  |  | {cell(turn)} |  |")
+        tables.append("\n".join(lines))
+    yardstick = next(r for r in data["rows"] if r["name"] == "yardstick: torch x.add_(1), 1 element")
+    return "\n\n".join(tables) + f"\n\nYardstick, torch's one-element `add_`: {yardstick['host_us']:.1f} us."
 
 
 def options_tables(page64: dict, staged: dict, engine_md: str) -> str:
@@ -264,16 +273,17 @@ def state_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def host_time_quotes(host_cost: str) -> str:
-    """The kernel path's host time of a per-layer load back to back, as every doc quotes it."""
-    value = re.search(r"^host_cost\s+cuda per-layer load, kernel io\s+h2d\s+\d+\s+-\s+-\s+([\d.]+)", host_cost, re.M)
-    assert value, "host_cost.txt has no cuda kernel-io row"
-    return f"{value.group(1)} us a call back to back (kernel io"
+def host_time_quotes(data: dict) -> str:
+    """The kernel path's host time of a 4-page per-layer load back to back, as every doc quotes it."""
+    row = next((r for r in data["rows"] if r["section"] == "host_cost" and r["extra"].get("io") == "kernel"
+                and r["extra"].get("api") == "per-layer load" and r["extra"].get("pages") == 4), None)
+    assert row, "host_cost.json has no 4-page kernel-io row"
+    return f"{row['host_us']:.1f} us a call back to back (kernel io"
 
 
 def generated_tables() -> dict[str, str]:
     return {"staged": staged_tables(json.loads((RESULTS / "staged.json").read_text())),
-            "host cost": host_cost_table((RESULTS / "host_cost.txt").read_text()),
+            "host cost": host_cost_table(json.loads((RESULTS / "host_cost.json").read_text())),
             "vllm": vllm_table(json.loads((RESULTS / "engines.json").read_text())["vllm"]),
             "state": state_table(json.loads((RESULTS / "engines.json").read_text())["state"]),
             "options": options_tables(json.loads((RESULTS / "staged_page64.json").read_text()), json.loads((RESULTS / "staged.json").read_text()),
@@ -289,8 +299,8 @@ def test_performance_tables_are_generated_from_the_results(name, doc):
 
 
 def test_the_kernel_paths_host_time_is_quoted_one_way():
-    """README, DESIGN and OPTIONS quote the kernel path's host time back to back from host_cost.txt, and no other figure that way."""
-    quote = host_time_quotes((RESULTS / "host_cost.txt").read_text())
+    """README, DESIGN and OPTIONS quote the kernel path's host time back to back from host_cost.json, and no other figure that way."""
+    quote = host_time_quotes(json.loads((RESULTS / "host_cost.json").read_text()))
     for doc in (ROOT / "README.md", ROOT / "docs" / "DESIGN.md", ROOT / "docs" / "OPTIONS.md"):
         text = doc.read_text()
         assert quote in text, f"{doc.name} does not quote {quote!r}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 from . import __version__, config
@@ -36,7 +36,7 @@ class CommandLine(OneLineErrors):
     parser reports what came after the command, the top level what came before it.
     """
 
-    commands: dict[str, argparse.ArgumentParser]
+    commands: Mapping[str, argparse.ArgumentParser]
 
     def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
         argv = list(sys.argv[1:] if args is None else args)

@@ -13,7 +13,6 @@ from kvspec import (
     bits,
     device_pool,
     host_buffers,
-    host_pool,
     host_row,
     kind_of,
     pool_layout_pairs,

@@ -37,9 +37,9 @@ def record_io_paths(host) -> list[str]:
     used: list[str] = []
     transfer = host._transfer
 
-    def recorded(device_pool, host_indices, device_indices, layers, to_device, io_backend):
+    def recorded(device_pool, host_indices, device_indices, layers, to_device, io_backend, *rest):
         used.append(io_backend)
-        transfer(device_pool, host_indices, device_indices, layers, to_device, io_backend)
+        transfer(device_pool, host_indices, device_indices, layers, to_device, io_backend, *rest)
 
     host._transfer = recorded
     return used

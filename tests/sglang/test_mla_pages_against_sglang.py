@@ -15,6 +15,7 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 
 import portable_kv as pk  # noqa: E402
+from portable_kv.engines.sglang.surface import with_sglang_names  # noqa: E402
 
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 32, 8
@@ -27,7 +28,7 @@ def pool_pair(layout: str, dtype: torch.dtype):
     theirs = MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device_capacity_tokens=dev.size,
                                   start_layer=0, end_layer=LAYERS, target_layer_num=LAYERS)
     # SGLang's device buffers hold a padding page; half a token under SGLang's size rounds up to it.
-    ours = pk.MLAHostPool(dev, host_to_device_ratio=(theirs.size - 0.5) / dev.kv_buffer[0].shape[0], layout=layout)
+    ours = with_sglang_names(pk.MLAHostPool)(dev, host_to_device_ratio=(theirs.size - 0.5) / dev.kv_buffer[0].shape[0], layout=layout)
     assert (ours.size, ours.page_num, ours.layer_num) == (theirs.size, theirs.page_num, theirs.layer_num)
     assert ours.kv_buffer.shape == theirs.kv_buffer.shape and ours.dtype == theirs.dtype
     generator = torch.Generator().manual_seed(13)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from portable_kv import backends
 from portable_kv.bench import vllm_prefill
 from portable_kv.bench.measure import Clock
+from portable_kv.bench.progress import Progress
 from portable_kv.engines.vllm.host_tier import Slot
 
 
@@ -23,7 +25,7 @@ def cpu_backend():
 
 def test_the_prefill_rows_run_tiny_on_the_cpu_backend(cpu_backend):
     ctx = SimpleNamespace(gpu=False, quick=True, reps=1, ceil={"memcpy": 10.0}, clock=Clock(cpu_backend.device), device=cpu_backend.device,
-                          progress=lambda line: None)
+                          progress=Progress(io.StringIO()))
     rows = vllm_prefill.measure(ctx)
     hit = vllm_prefill.CPU_HITS[0]
     names = [r.name.split(f"hit {hit} + {vllm_prefill.CPU_NEW_TOKENS} ")[1] for r in rows]

@@ -38,3 +38,19 @@ def simulated(monkeypatch):
     before = backends.current().name
     yield backends.use("simulated")
     backends.use(before)
+
+
+@pytest.fixture
+def fake_rocm_bound(monkeypatch, tmp_path):
+    """A RocmBackend over the fake HIP runtime (fake_runtimes.py) bound for the test: (backend, the fake library)."""
+    from fake_runtimes import fake_rocm_backend
+
+    from portable_kv.backends import rocm
+
+    backend, _, _, lib = fake_rocm_backend(monkeypatch, tmp_path)
+    monkeypatch.setitem(backends._instances, "rocm", backend)
+    monkeypatch.setattr(rocm.RocmBackend, "unavailable_reason", classmethod(lambda cls: None))
+    before = backends.current().name
+    backends.use("rocm")
+    yield backend, lib
+    backends.use(before)

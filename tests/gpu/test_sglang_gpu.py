@@ -46,6 +46,7 @@ STANDINS = HERE / "standins"
 # mimokit imports only torch at module level; SGLang is imported when a stack is built.
 if str(HERE.parent / "sglang") not in sys.path:
     sys.path.insert(0, str(HERE.parent / "sglang"))
+from kernelkit import sgl_kernel_or_standin  # noqa: E402
 from mimokit import FULL_LAYERS, LAYOUT_IO_CASES, SWA_LAYERS  # noqa: E402
 
 CUDA = torch.cuda.is_available() and torch.version.cuda is not None
@@ -89,23 +90,10 @@ ORDERING_COMPUTE_MS = 2.0  # the forward's matmul a layer there: well inside the
 OVERLAP_COMPUTE_MS = 10.0  # the forward's matmul a layer in the overlap cycle
 
 
-def _sgl_kernel() -> str:
-    """SGLang's kernel package where it imports, else the stand-in (put first on sys.path)."""
-    try:
-        import sgl_kernel  # noqa: F401
-    except Exception:  # not installed, or built for another torch or CUDA
-        for name in [n for n in sys.modules if n == "sgl_kernel" or n.startswith("sgl_kernel.")]:
-            del sys.modules[name]
-        if str(STANDINS) not in sys.path:
-            sys.path.insert(0, str(STANDINS))
-        return "stand-in"
-    return "sgl_kernel"
-
-
 @pytest.fixture(scope="module")
 def kit():
     """mimokit, once SGLang's modules import on this host (with the stand-in where needed)."""
-    which = _sgl_kernel()
+    which = sgl_kernel_or_standin()
     try:
         for name in SGLANG_MODULES:
             importlib.import_module(name)

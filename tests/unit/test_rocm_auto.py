@@ -7,34 +7,19 @@ Other transfers take the paths of auto's rule, where a small one is one kernel l
 
 from __future__ import annotations
 
-import pytest
 import torch
-from fake_runtimes import fake_rocm_backend
 
 import portable_kv as pk
-from portable_kv import backends
-from portable_kv.backends import rocm
 
 P = 64
-
-
-@pytest.fixture
-def rocm_bound(monkeypatch, tmp_path):
-    backend, _, _, lib = fake_rocm_backend(monkeypatch, tmp_path)
-    monkeypatch.setitem(backends._instances, "rocm", backend)
-    monkeypatch.setattr(rocm.RocmBackend, "unavailable_reason", classmethod(lambda cls: None))
-    before = backends.current().name
-    backends.use("rocm")
-    yield backend, lib
-    backends.use(before)
 
 
 def page_tokens(pages: list[int]) -> torch.Tensor:
     return (torch.tensor(pages)[:, None] * P + torch.arange(P)).reshape(-1)
 
 
-def test_background_transfers_go_to_the_sdma_engines_and_others_by_the_rule(rocm_bound):
-    backend, lib = rocm_bound
+def test_background_transfers_go_to_the_sdma_engines_and_others_by_the_rule(fake_rocm_bound):
+    backend, lib = fake_rocm_bound
     dev = pk.DeviceKVPool(2, 16 * P, P, 8, 128, 128, dtype=torch.bfloat16)
     host = pk.AsymmetricHostPool(dev, layout="page_first_direct", io_backend="auto")
     host_idx, dev_idx = page_tokens([3, 7, 1]), page_tokens([2, 9, 5])

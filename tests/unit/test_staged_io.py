@@ -10,7 +10,7 @@ import ctypes
 
 import pytest
 import torch
-from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, FakeLib, fake_rocm_backend
+from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, FakeLib
 from kvspec import bits, page_tokens, randomize
 
 import portable_kv as pk
@@ -60,14 +60,8 @@ def test_staged_on_the_simulated_gpu_runs_the_kernel_arguments_and_2d_copies(sim
 
 
 @pytest.fixture
-def fake_rocm(monkeypatch, tmp_path):
-    backend, _, _, lib = fake_rocm_backend(monkeypatch, tmp_path)
-    monkeypatch.setitem(backends._instances, "rocm", backend)
-    monkeypatch.setattr(rocm.RocmBackend, "unavailable_reason", classmethod(lambda cls: None))
-    before = backends.current().name
-    backends.use("rocm")
-    yield backend, lib
-    backends.use(before)
+def fake_rocm(fake_rocm_bound):
+    return fake_rocm_bound
 
 
 def test_rocm_staged_issues_2d_copies_then_the_kernel_and_mirrored(fake_rocm, monkeypatch):

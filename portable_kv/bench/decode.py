@@ -32,6 +32,7 @@ from .context import Context
 from .decode_step import AHEAD, CPU_CASES, CPU_MODEL, CPU_QUICK, GPU_CASES, GPU_MODEL, DecodeStep, run_steps
 from .draws import alternate, spread_text, summarize
 from .io_paths import AutoWatch, io_paths
+from .measure import one_thread_on_cpu
 from .rows import Row, ceiling_text, device_label
 from .sections import percent
 from .sglang_jit import kernels
@@ -54,15 +55,8 @@ ON_DEVICE = ("kernel", "bulk")
 
 def measure(ctx: Context) -> list[Row]:
     """Per case the decode step, then per backend its host tier and the paths' draws."""
-    threads = torch.get_num_threads()
-    if not ctx.gpu:
-        # The scaled step's matmuls are too small to split: on a busy 2-core runner OpenMP's
-        # hand-offs made a 1 ms step take 350 ms.
-        torch.set_num_threads(1)
-    try:
+    with one_thread_on_cpu(ctx.gpu):
         return _measure(ctx)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _measure(ctx: Context) -> list[Row]:

@@ -35,7 +35,7 @@ from .engine_geometry import CPU_CASES, CPU_MODEL, CPU_QUICK, GPU_CASES, MIMO_V2
 from .engine_report import SECTION, bound, break_even_rows, ceiling_rate
 from .engine_schedule import HOST_LAYOUT, Engine, HostSide, Pools
 from .io_paths import io_paths
-from .measure import gbps
+from .measure import gbps, one_thread_on_cpu
 from .rows import Row
 from .sections import percent
 from .sglang_jit import kernels
@@ -48,15 +48,8 @@ SGLANG_PATHS = {"default": "SGLang JIT", "register": "SGLang JIT reg 2"}
 def measure(ctx: Context) -> list[Row]:
     """The section: per (prefix, new) row, the forward alone and recomputing once, then per
     backend and path the loads alone and the prefill; the break-even prefix per path."""
-    threads = torch.get_num_threads()
-    if not ctx.gpu:
-        # The scaled geometry's matmuls are too small to split: OpenMP's hand-offs cost more than
-        # the work (one 32x256x1088 matmul: 0.4 ms on one thread, 19 ms on two of a busy 2-core runner).
-        torch.set_num_threads(1)
-    try:
+    with one_thread_on_cpu(ctx.gpu):
         return _measure(ctx)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _measure(ctx: Context) -> list[Row]:

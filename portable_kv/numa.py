@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from . import backends
+
 SYSFS = Path("/sys")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 OFF = "off"  # numa_node=OFF: no placement, the kernel's default
@@ -59,7 +61,7 @@ def placement(device: torch.device, numa_node: int | str | None = None, sysfs: P
     if numa_node is not None:
         return Placement(check_node(numa_node, nodes), f"explicit numa_node={numa_node}")
     if device.type == "cpu":
-        return Placement(None, "cpu backend: no device")
+        return Placement(None, f"{host_backend()}: no device")
     if len(nodes) <= 1:
         return Placement(None, "one NUMA node: no placement needed")
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -70,6 +72,15 @@ def placement(device: torch.device, numa_node: int | str | None = None, sysfs: P
     if node is None:
         return Placement(None, f"no NUMA information for PCI {pci}: default placement")
     return Placement(node, f"node {node}: the NUMA node of GPU {index} (PCI {pci})")
+
+
+def host_backend() -> str:
+    """The backend whose device is the host, as a placement reason names it: the bound one
+    where its device is the CPU (the triton backend under TRITON_INTERPRET=1 among them), else cpu."""
+    bound = backends._current  # read, not bound: `portable-kv info` asks where none could be
+    if bound is None or bound.device.type != "cpu" or bound.name == "cpu":
+        return "cpu backend"
+    return f"{bound.name} backend on the CPU"
 
 
 def numa_nodes(sysfs: Path = SYSFS) -> list[int]:

@@ -40,6 +40,14 @@ def copy_counts(transfer: Transfer) -> tuple[int, int]:
     return descriptors, nbytes
 
 
+def call_copies(transfer: Transfer, descriptors: int, nbytes: int) -> str:
+    """The direct path's copies of one call of `transfer` in words, from `copy_counts` of one layer:
+    every layer the call moves repeats that layer's copies."""
+    layers = len(transfer.layers)
+    return (f"{descriptors * layers} copies of {nbytes // descriptors >> 10} KiB on average "
+            f"over {layers} layer{'s' if layers != 1 else ''}")
+
+
 class AutoMover(Mover):
     """Picks the io path per plan, direction and layer span from the transfer's shape.  The
     rule (the measurements behind it: docs/DESIGN.md):
@@ -78,7 +86,7 @@ class AutoMover(Mover):
         descriptors, nbytes = copy_counts(transfer) if readable else (0, 0)
         average = nbytes / descriptors if descriptors else 0
         if transfer.background and average >= BACKGROUND_MIN_COPY_BYTES:
-            return "direct", f"off the caller's critical path, copies of {int(average) >> 10} KiB on average: the copy engines, no SM"
+            return "direct", f"off the caller's critical path, {call_copies(transfer, descriptors, nbytes)}: the copy engines, no SM"
         if transfer.bytes < AUTO_MIN_BYTES:
             return "kernel", f"under {AUTO_MIN_BYTES >> 20} MiB: one launch is the least latency"
         if not readable:
@@ -86,7 +94,7 @@ class AutoMover(Mover):
         bulk = "bulk" in self.movers and why_not_bulk(transfer) is None
         if average >= DIRECT_MIN_COPY_BYTES and (not bulk or descriptors <= DIRECT_MAX_COPIES_BESIDE_BULK
                                                  or average >= DIRECT_MIN_COPY_BYTES_BESIDE_BULK):
-            return "direct", f"{descriptors} copies of {nbytes // descriptors >> 10} KiB on average: the copy engines, no SM"
+            return "direct", f"{call_copies(transfer, descriptors, nbytes)}: the copy engines, no SM"
         if bulk:
             return "bulk", "a few blocks beside the model, one launch a call"
         staged = self.movers["staged"]

@@ -192,10 +192,16 @@ def plugin() -> None:
 
     SGLang calls it early in every server process, the spawned schedulers
     included, where a call to `install()` in the launcher would not reach.
-    It installs only where PORTABLE_KV_SGLANG=1.
+    It installs only where PORTABLE_KV_SGLANG=1.  A PORTABLE_KV_* setting that
+    cannot be used stops the process with SystemExit and one line naming it:
+    SGLang's loader logs an Exception from a plugin and serves on with its own
+    host pools, which would leave a server started with the tier running without it.
     """
-    if config.SGLANG.flag():
-        install()
+    try:
+        if config.SGLANG.flag():
+            install()
+    except config.ConfigError as exc:
+        raise SystemExit(f"portable_kv: {exc}") from None
 
 
 def uninstall() -> None:
@@ -219,7 +225,7 @@ def _sglang_modules() -> list[Any]:
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "sglang":
             raise
-        raise ImportError(f"portable_kv.sglang drives SGLang {SGLANG_VERSION}'s HiCache, which is not installed here: "
+        raise ImportError(f"portable_kv.engines.sglang drives SGLang {SGLANG_VERSION}'s HiCache, which is not installed here: "
                           f"pip install sglang=={SGLANG_VERSION} (docs/API.md, \"The SGLang host-pool surface\")", name="sglang") from None
     version = getattr(importlib.import_module("sglang"), "__version__", None)
     if version != SGLANG_VERSION:

@@ -93,7 +93,7 @@ def test_refused_by_name_at_start_up():
     shared = kv_caches(tensors, PER_LAYER, {t: whole_page_mapping(2048) for t in range(4)})
     sharded = base.CanonicalPageMapping(4096, 2048, (base.CopyRun(0, 0, 64, 32, 64, 128),), 1, 0, True)  # half of each token row
     shared.group_data_refs[0][2].mapping = sharded
-    with pytest.raises(NotServed, match="canonical_layout.*per process"):
+    with pytest.raises(NotServed, match="canonical_layout.*node.s host region.*given none"):
         PortableKVOffloadingWorker(shared, 1, 8, io, canonical_layout=True)
     with pytest.raises(NotServed, match="canonical_layout"):
         PortableKVOffloadingWorker(kv_caches(tensors, PER_LAYER), 1, 8, io, canonical_layout=True)  # uncertified pages

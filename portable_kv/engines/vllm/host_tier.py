@@ -73,8 +73,15 @@ def _identity_mapping(mapping: Any, page_bytes: int) -> bool:
             and runs[0].fragment_size == page_bytes and runs[0].num_fragments == 1)
 
 
-def check_served(kv_caches: Any, canonical_layout: bool) -> None:
-    """Refuse, by name, a KV cache whose host bytes this spec would not keep as vLLM's own spec does."""
+def needs_region(kv_caches: Any, canonical_layout: bool) -> bool:
+    """Whether the canonical pages are shared or sharded by ranks: then they live in the node's region (region_tier.py)."""
+    return canonical_layout and any(ref.mapping is not None and not _identity_mapping(ref.mapping, kv_caches.tensors[ref.tensor_idx].page_size_bytes)
+                                    for refs in kv_caches.group_data_refs for ref in refs)
+
+
+def check_served(kv_caches: Any, canonical_layout: bool, node_region: bool = False) -> None:
+    """Refuse, by name, a KV cache whose host bytes this spec would not keep as vLLM's own spec does.
+    `node_region`: the worker has the node's shared region for canonical pages that ranks share or shard."""
     tensors, groups = kv_caches.tensors, kv_caches.group_data_refs
     if not tensors or not groups:
         raise NotServed(f"kv_caches: no block tensors or no KV cache groups to offload; {OWN_SPEC}")
@@ -84,10 +91,37 @@ def check_served(kv_caches: Any, canonical_layout: bool) -> None:
             if ref.page_size_bytes != page:
                 raise NotServed(f"group {g}: padded pages ({ref.page_size_bytes} bytes of KV in pages of {page}); vLLM moves the "
                                 f"unpadded bytes only and portable_kv moves whole block rows; {OWN_SPEC}")
-            if canonical_layout and (ref.mapping is None or not _identity_mapping(ref.mapping, page)):
-                raise NotServed(f"group {g}: canonical_layout with a page that ranks share or shard (tensor, pipeline, context "
-                                f"parallel, or uncertified) needs one host region that every rank writes; portable_kv's "
-                                f"host pools are per process; {OWN_SPEC}")
+            if canonical_layout and ref.mapping is None:
+                raise NotServed(f"group {g}: canonical_layout with a page vLLM did not certify (pipeline parallel, a packed or "
+                                f"cross-layer layout, or a page it cannot place): no canonical mapping to write it by; {OWN_SPEC}")
+            if canonical_layout and not node_region and not _identity_mapping(ref.mapping, page):
+                raise NotServed(f"group {g}: canonical_layout with a page that ranks share or shard (tensor or context parallel) "
+                                f"needs the node's host region that every rank writes (node_region.py), and this worker was "
+                                f"given none; PortableKVOffloadingSpec gives its worker one; {OWN_SPEC}")
+
+
+def plan_moves(blocks_per_chunk: int, num_groups: int, gpu_blocks: np.ndarray, group_sizes: Sequence[int],
+               block_indices: Sequence[int], chunks: np.ndarray) -> list[Moves]:
+    """vLLM's block-to-chunk correspondence: group g's blocks start at logical block `block_indices[g]`,
+    so its first chunk is entered `block_indices[g] % blocks_per_chunk` sub-blocks in."""
+    if len(group_sizes) != num_groups or len(block_indices) != len(group_sizes):
+        raise ValueError(f"group_sizes: expected {num_groups} groups with a block index each, "
+                         f"got {len(group_sizes)} sizes and {len(block_indices)} indices")
+    per = blocks_per_chunk
+    moves, block_at, chunk_at = [], 0, 0
+    for g, (count, first) in enumerate(zip(group_sizes, block_indices)):
+        if count == 0:
+            continue
+        skip = int(first) % per
+        used = -(-(count + skip) // per)
+        group_chunks = np.asarray(chunks[chunk_at : chunk_at + used], dtype=np.int64)
+        tokens = group_chunks if per == 1 else (group_chunks[:, None] * per + np.arange(per)).ravel()[skip : skip + count]
+        moves.append(Moves(g, np.asarray(gpu_blocks[block_at : block_at + count], dtype=np.int64), tokens))
+        block_at, chunk_at = block_at + count, chunk_at + used
+    if block_at != len(gpu_blocks) or chunk_at != len(chunks) or any(len(m.tokens) != len(m.blocks) for m in moves):
+        raise ValueError(f"transfer: {len(gpu_blocks)} GPU blocks and {len(chunks)} chunks do not match group_sizes "
+                         f"{list(group_sizes)} from block indices {list(block_indices)} at {per} blocks a chunk")
+    return moves
 
 
 class HostTier:
@@ -158,26 +192,8 @@ class HostTier:
         return buffer.reshape(self.num_chunks, -1)
 
     def plan(self, gpu_blocks: np.ndarray, group_sizes: Sequence[int], block_indices: Sequence[int], chunks: np.ndarray) -> list[Moves]:
-        """vLLM's block-to-chunk correspondence: group g's blocks start at logical block `block_indices[g]`,
-        so its first chunk is entered `block_indices[g] % blocks_per_chunk` sub-blocks in."""
-        if len(group_sizes) != len(self.group_layers) or len(block_indices) != len(group_sizes):
-            raise ValueError(f"group_sizes: expected {len(self.group_layers)} groups with a block index each, "
-                             f"got {len(group_sizes)} sizes and {len(block_indices)} indices")
-        per = self.blocks_per_chunk
-        moves, block_at, chunk_at = [], 0, 0
-        for g, (count, first) in enumerate(zip(group_sizes, block_indices)):
-            if count == 0:
-                continue
-            skip = int(first) % per
-            used = -(-(count + skip) // per)
-            group_chunks = np.asarray(chunks[chunk_at : chunk_at + used], dtype=np.int64)
-            tokens = group_chunks if per == 1 else (group_chunks[:, None] * per + np.arange(per)).ravel()[skip : skip + count]
-            moves.append(Moves(g, np.asarray(gpu_blocks[block_at : block_at + count], dtype=np.int64), tokens))
-            block_at, chunk_at = block_at + count, chunk_at + used
-        if block_at != len(gpu_blocks) or chunk_at != len(chunks) or any(len(m.tokens) != len(m.blocks) for m in moves):
-            raise ValueError(f"transfer: {len(gpu_blocks)} GPU blocks and {len(chunks)} chunks do not match group_sizes "
-                             f"{list(group_sizes)} from block indices {list(block_indices)} at {per} blocks a chunk")
-        return moves
+        """The transfer's index pairs per group (plan_moves)."""
+        return plan_moves(self.blocks_per_chunk, len(self.group_layers), gpu_blocks, group_sizes, block_indices, chunks)
 
     def prepare(self, moves: list[Moves], to_device: bool, io: str | None = None) -> TierTransfer:
         """The moves as one transfer, planned once: one portable_kv plan per pool and set of layers

@@ -1,4 +1,5 @@
-"""The spec's worker: vLLM 0.33.0's `OffloadingWorker` contract over a HostTier.
+"""The spec's worker: vLLM 0.33.0's `OffloadingWorker` contract over a HostTier (per-process host
+pools), or a RegionTier where canonical pages are shared or sharded by ranks (the node's region).
 
 As vLLM's own CPU worker: three directions (stores, loads, expedited loads),
 each a queue of transfers that run and finish in the order they were
@@ -25,6 +26,8 @@ from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, GPULoadStoreSpec, Loa
 
 from ... import backends
 from .host_tier import HostTier, Slot, TierTransfer
+from .node_region import NodeRegion
+from .region_tier import RegionTier
 
 
 @dataclass
@@ -39,7 +42,7 @@ class _Job:
 class Direction:
     """One direction's queue of transfers, in submission order."""
 
-    def __init__(self, tier: HostTier, to_device: bool, device: torch.device) -> None:
+    def __init__(self, tier: HostTier | RegionTier, to_device: bool, device: torch.device) -> None:
         self.tier, self.to_device, self.device = tier, to_device, device
         self.gpu = device.type != "cpu"
         self.stream = torch.cuda.Stream(device=device) if self.gpu else None
@@ -98,9 +101,22 @@ class PortableKVOffloadingWorker(OffloadingWorker):
     """vLLM's worker-side offloading contract, its bytes moved by portable_kv (docs/API.md, "vLLM offloading spec")."""
 
     def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_chunks: int, io: dict[str, str], *,
-                 canonical_layout: bool = False, numa_node: int | str | None = None) -> None:
-        self.tier = HostTier(kv_caches, blocks_per_chunk, num_chunks, io, canonical_layout=canonical_layout, numa_node=numa_node)
-        device = backends.current().device
+                 canonical_layout: bool = False, numa_node: int | str | None = None, node_region: NodeRegion | None = None) -> None:
+        """`node_region`: the node's shared region, where canonical pages that ranks share or shard live
+        (region_tier.py); the worker owns it from here and closes it at shutdown."""
+        backend = backends.current()
+        if node_region is not None:
+            if node_region.num_chunks != num_chunks:
+                node_region.close(backend)
+                raise ValueError(f"node_region: expected {num_chunks} chunks, got {node_region.num_chunks}")
+            try:
+                self.tier: HostTier | RegionTier = RegionTier(kv_caches, blocks_per_chunk, node_region, backend)
+            except Exception:
+                node_region.close(backend)
+                raise
+        else:
+            self.tier = HostTier(kv_caches, blocks_per_chunk, num_chunks, io, canonical_layout=canonical_layout, numa_node=numa_node)
+        device = backend.device
         self._store = Direction(self.tier, False, device)
         self._load = Direction(self.tier, True, device)
         # Its own stream, so that a load the step waits for does not queue behind regular loads.

@@ -5,7 +5,7 @@ for (tests and `portable-kv` set them per run); docs/API.md lists them in one
 table.  A value is validated wherever it is read: a malformed one raises
 `ConfigError` naming the variable and what it takes.  `check_all()` validates
 every setting at once, so that an entry point (`portable-kv check`,
-`portable_kv.sglang.install()`) fails at its start rather than at the first
+`portable_kv.engines.sglang.install()`) fails at its start rather than at the first
 read deep inside a pool; binding a backend checks the io settings
 (`IO_SETTINGS`) whatever the backend; `states()` reports each one for
 `portable-kv info`.
@@ -150,7 +150,7 @@ STAGING_BYTES = Setting("PORTABLE_KV_STAGING_BYTES", str(64 << 20),
 STAGING_BLOCKS = Setting("PORTABLE_KV_STAGING_BLOCKS", "8",
                          "block quota of the staged io path's kernel between staging and the KV buffers", _integer(1))
 SGLANG = Setting("PORTABLE_KV_SGLANG", "0",
-                 "1: SGLang's plugin loader calls portable_kv.sglang.install() in every server process (HiCache on portable_kv)", _flag)
+                 "1: SGLang's plugin loader calls portable_kv.engines.sglang.install() in every server process (HiCache on portable_kv)", _flag)
 SGLANG_IO = Setting("PORTABLE_KV_SGLANG_IO", None,
                     f"io path of portable_kv pools under SGLang: one of {', '.join(IO_PATHS)} for every call, "
                     "or pairs kernel=...,direct=... (default: SGLang's --hicache-io-backend as passed)", _sglang_io)

@@ -23,7 +23,7 @@ MIMO_V2_FLASH_FLAGS = [
     "--model-path", "XiaomiMiMo/MiMo-V2-Flash", "--trust-remote-code", "--tp-size", "8",
     "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
     "--speculative-num-draft-tokens", "4",
-    "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-mem-layout", "page_first_direct",
+    "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-mem-layout", "layer_first",
     "--hicache-io-backend", "direct",
 ]
 
@@ -125,5 +125,5 @@ def test_the_mimo_v2_flash_command_parses_with_sglangs_own_parser():
 
     args = prepare_server_args(MIMO_V2_FLASH_FLAGS)
     assert args.enable_hierarchical_cache and args.hicache_ratio == 2
-    assert (args.hicache_mem_layout, args.hicache_io_backend) == ("page_first_direct", "direct")
+    assert (args.hicache_mem_layout, args.hicache_io_backend) == ("layer_first", "direct")
     assert (args.speculative_algorithm, args.speculative_num_steps, args.tp_size) == ("EAGLE", 3, 8)

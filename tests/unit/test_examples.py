@@ -48,7 +48,7 @@ def test_every_example_is_named_in_the_readme():
 def test_the_sglang_example_is_documentation_whose_launcher_compiles():
     text = (EXAMPLES / "sglang_server.md").read_text()
     assert text.splitlines()[2].startswith("Documentation, not a program")
-    launchers = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "portable_kv.sglang.install()" in block]
+    launchers = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "portable_kv.engines.sglang.install()" in block]
     assert launchers, "sglang_server.md shows no launcher that calls install()"
     for block in launchers:
         compile(block, "sglang_server.md", "exec")  # SGLang itself is not needed to check the syntax

@@ -12,25 +12,16 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="vllm 0.33.0 is not installed here (tox -e vllm installs it)")
 
-from fake_runtimes import fake_rocm_backend  # noqa: E402
 from vllmkit import PER_LAYER, CPULoadStoreSpec, block_tensors, gpu_spec, kv_caches, offloading_config  # noqa: E402
 
-from portable_kv import backends  # noqa: E402
-from portable_kv.backends import rocm  # noqa: E402
 from portable_kv.engines.vllm import NotServed  # noqa: E402
 
 COPY_CALLS = ("hipMemcpyBatchAsync", "hipMemcpyAsync", "hipMemcpy2DAsync")
 
 
 @pytest.fixture
-def rocm_bound(monkeypatch, tmp_path):
-    backend, _, _, lib = fake_rocm_backend(monkeypatch, tmp_path)
-    monkeypatch.setitem(backends._instances, "rocm", backend)
-    monkeypatch.setattr(rocm.RocmBackend, "unavailable_reason", classmethod(lambda cls: None))
-    before = backends.current().name
-    backends.use("rocm")
-    yield lib
-    backends.use(before)
+def rocm_bound(fake_rocm_bound):
+    return fake_rocm_bound[1]  # the fake HIP library, whose calls the tests read
 
 
 def test_the_spec_takes_the_copy_kernel_on_rocm(rocm_bound):

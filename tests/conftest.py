@@ -54,3 +54,13 @@ def fake_rocm_bound(monkeypatch, tmp_path):
     backends.use("rocm")
     yield backend, lib
     backends.use(before)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No PORTABLE_KV_* setting in the environment for the test: each one at its default."""
+    from portable_kv import config
+
+    for setting in config.SETTINGS:
+        monkeypatch.delenv(setting.name, raising=False)
+    return monkeypatch

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from portable_kv import backends, config, log
+from portable_kv import backends, log
 from portable_kv.config import ConfigError
 
 MALFORMED_IO_SETTINGS = [
@@ -25,13 +25,6 @@ MALFORMED_IO_SETTINGS = [
     ("PORTABLE_KV_DMA_STREAMS", "0", "expected an integer >= 1, got 0"),
     ("PORTABLE_KV_STAGING_BLOCKS", "many", "expected an integer, got 'many'"),
 ]
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for setting in config.SETTINGS:
-        monkeypatch.delenv(setting.name, raising=False)
-    return monkeypatch
 
 
 @pytest.fixture

@@ -26,13 +26,6 @@ BAD = [
 ]
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    for setting in config.SETTINGS:
-        monkeypatch.delenv(setting.name, raising=False)
-    return monkeypatch
-
-
 def test_every_default_can_be_used(clean_env):
     states = config.states()
     assert [s.name for s in states] == [s.name for s in config.SETTINGS]

@@ -32,7 +32,8 @@ class DirectLaunch(Launch):
         self.mover, self.transfer = mover, transfer
         self.copies = [layer_copies(transfer.indices, pair, transfer.page_size) for pair in transfer.pairs]
         self.skipped = any(c[3] for c in self.copies)
-        self._batches: dict[int, tuple[CopyBatch, list[CopyBatch], bool]] = {}
+        self._batches: dict[int, tuple[CopyBatch, bool]] = {}  # layer start -> its copies, and whether they go as one call
+        self._pieces: dict[int, tuple[int, list[CopyBatch]]] = {}  # layer start -> (dma_streams, the copies split over them)
 
     def run(self, layers: range, stream: int | None) -> None:
         if self.skipped:
@@ -40,16 +41,23 @@ class DirectLaunch(Launch):
         planned = self._batches.get(layers.start)
         if planned is None:
             planned = self._batches[layers.start] = self._plan(layers)
-        batch, pieces, long_copies = planned
-        if len(batch):
-            self.mover.send(batch, pieces, stream)
+        batch, long_copies = planned
+        if not len(batch):
+            return
+        if long_copies:
+            self.mover.send(batch, [batch], stream)
+            return
+        # dma_streams is assignable between calls: the split follows it.
+        streams = self.mover.copier.dma_streams
+        split = self._pieces.get(layers.start)
+        if split is None or split[0] != streams:
+            split = self._pieces[layers.start] = (streams, split_even(batch, streams))
+        self.mover.send(batch, split[1], stream)
 
-    def _plan(self, layers: range) -> tuple[CopyBatch, list[CopyBatch], bool]:
-        copier = self.mover.copier
+    def _plan(self, layers: range) -> tuple[CopyBatch, bool]:
         batch = copy_batch(self.transfer, self.copies, layers)
-        one_call = copier.one_call_copy_bytes
-        long_copies = one_call is not None and int(batch.sizes.sum()) >= one_call * len(batch)
-        return batch, [batch] if long_copies else split_even(batch, copier.dma_streams), long_copies
+        one_call = self.mover.copier.one_call_copy_bytes
+        return batch, one_call is not None and int(batch.sizes.sum()) >= one_call * len(batch)
 
 
 class DirectMover(Mover):

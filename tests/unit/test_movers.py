@@ -164,6 +164,27 @@ def test_direct_sends_long_copies_as_one_call_and_spreads_short_ones(simulated, 
     host.close()
 
 
+def test_directs_short_copies_follow_dma_streams_set_between_calls(simulated, monkeypatch):
+    """`dma_streams` is assignable between calls: a plan's next call spreads its short copies
+    over the streams set now, not those of its first call."""
+    made = []
+    batch_call = type(simulated.runtime).batch_call
+    monkeypatch.setattr(type(simulated.runtime), "batch_call", lambda self, batch, stream: made.append(len(batch)) or batch_call(self, batch, stream))
+    monkeypatch.setattr(simulated, "dma_streams", simulated.dma_streams)  # restored after the test
+    P = 64
+    dev = pk.MLADevicePool(1, 64 * P, P, 16, dtype=torch.float32)  # 4 KiB a page: short copies
+    host = pk.MLAHostPool(dev, layout="page_first_direct", io_backend="direct")
+    plan = host.prepare(dev, page_tokens(torch.tensor([3, 9, 1, 20, 7, 12, 30, 5]), P), page_tokens(torch.tensor([8, 2, 40, 11, 0, 33, 6, 17]), P))
+    simulated.dma_streams = 4
+    plan.backup()
+    assert len(made) == 4 and sum(made) == 8
+    made.clear()
+    simulated.dma_streams = 2
+    plan.backup()
+    assert len(made) == 2 and sum(made) == 8
+    host.close()
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_movers_keep_no_host_pool_alive(bind, name):
     """A pool used on every io path its backend offers, by plans and the per-call API, then

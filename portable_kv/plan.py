@@ -18,9 +18,11 @@ each call passes (pool.py).
 from __future__ import annotations
 
 import ctypes
+import operator
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -45,6 +47,24 @@ class Binding(NamedTuple):
     pairs: tuple[TensorPair, ...]
     held: tuple[tuple[str, list[torch.Tensor]], ...]  # each buffer's name and the per-layer tensors the pairs hold
 
+    def replaced(self, device_pool: Any, layers: range) -> str | None:
+        """The first buffer of `device_pool` whose tensors are not the ones held, or None.
+
+        The check is by identity of the per-layer tensors a call moves: an engine that
+        swaps a buffer gets it caught when that layer next moves.  A per-layer call of the
+        pool bound checks one tensor per buffer, not all of them: it is on the per-call
+        host-time budget."""
+        first, stop = layers.start, layers.stop
+        same_pool, one = self.device_pool is device_pool, stop - first == 1
+        for name, held in self.held:
+            given = getattr(device_pool, name, None)
+            if same_pool and type(given) is list and len(given) == len(held):
+                if (given[first] is not held[first]) if one else not all(map(operator.is_, given[first:stop], held[first:stop])):
+                    return name
+            elif not _same_tensors(given, held):
+                return name
+        return None
+
 
 class PlannedPool(Protocol):
     """What a plan asks of its host pool (pool.py's HostPool)."""
@@ -54,6 +74,7 @@ class PlannedPool(Protocol):
     page_size: int
     _io_context: IoContext
     _validator: IndexValidator
+    _layer_ranges: list[range]  # range(n, n + 1) for every layer n: a per-layer call's span
 
     def _layer(self, layer_id: int) -> range: ...
 
@@ -77,7 +98,6 @@ class TransferPlan:
         snapshots = () if owned else tuple(_snapshot(given, copy) for given, copy in ((host, self.host_indices), (dev, self.device_indices)))
         self.snapshots = snapshots if any(s is not None for s in snapshots) else None
         self.tokens = int(host.numel())
-        self._layers = [range(layer, layer + 1) for layer in range(pool.layer_num)]
         self._all = range(pool.layer_num)
         self._checked: IndexPair
         self._directions: set[bool] = set()
@@ -92,7 +112,8 @@ class TransferPlan:
 
     def load(self, layer_id: int) -> None:
         """`load_to_device_per_layer` of the plan's indices: H2D, one layer."""
-        layers = self._layers[layer_id] if type(layer_id) is int and 0 <= layer_id < len(self._layers) else self.pool._layer(layer_id)
+        pool = self.pool
+        layers = pool._layer_ranges[layer_id] if type(layer_id) is int and 0 <= layer_id < pool.layer_num else pool._layer(layer_id)
         self._call(True, layers)
 
     def load_all(self) -> None:
@@ -120,12 +141,9 @@ class TransferPlan:
         try:
             if self.fixed:
                 binding = self.binding
-                for name, held in binding.held:  # type: ignore[union-attr]
-                    given = getattr(binding.device_pool, name, None)  # type: ignore[union-attr]
-                    first = layers.start
-                    if (type(given) is not list or len(given) != len(held)
-                            or (given[first] is not held[first] if len(layers) == 1 else any(given[i] is not held[i] for i in layers))):
-                        raise ValueError(f"plan: the device pool's {name} was replaced after prepare(); prepare the transfer again")
+                name = binding.replaced(binding.device_pool, layers)  # type: ignore[union-attr]
+                if name is not None:
+                    raise ValueError(f"plan: the device pool's {name} was replaced after prepare(); prepare the transfer again")
             launch = self._launches.get((to_device, len(layers)))
             if launch is None:
                 launch = self._build(to_device, layers)
@@ -200,6 +218,11 @@ class TransferPlan:
 
     def __repr__(self) -> str:
         return f"TransferPlan(io={self.io!r}, tokens={self.tokens}, layers={len(self._all)})"
+
+
+def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
+    # type() first: isinstance against the Sequence ABC costs a microsecond a call.
+    return (type(given) in (list, tuple) or isinstance(given, Sequence)) and len(given) == len(bound) and all(map(operator.is_, given, bound))
 
 
 def _snapshot(given: torch.Tensor, copy: torch.Tensor) -> torch.Tensor | None:

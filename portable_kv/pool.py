@@ -12,8 +12,6 @@ SGLang's names for it in engines/sglang/.
 from __future__ import annotations
 
 import logging
-import operator
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -242,26 +240,12 @@ class HostPool(PageAccess):
         plan._call(to_device, layers)
 
     def _bind(self, device_pool: Any, layers: range) -> Binding:
-        """The device pool's checked geometry and tensor pairs, kept for the pool an engine passes every call.
-
-        The check is by identity of the per-layer tensors that the call moves:
-        an engine that swaps a buffer gets it (and the whole pool) checked again
-        when that layer next moves.  A per-layer call checks one tensor per
-        buffer, not all of them: it is on the per-call host-time budget.
-        """
+        """The device pool's checked geometry and tensor pairs, kept for the pool an engine passes
+        every call; one whose tensors the call moves were swapped (Binding.replaced) is checked
+        again, the whole pool."""
         bound = self._binding
-        if bound is not None:
-            first, stop = layers.start, layers.stop
-            same_pool, one = bound.device_pool is device_pool, stop - first == 1
-            for name, held in bound.held:
-                given = getattr(device_pool, name, None)
-                if same_pool and type(given) is list and len(given) == len(held):
-                    if (given[first] is not held[first]) if one else not all(map(operator.is_, given[first:stop], held[first:stop])):
-                        break
-                elif not _same_tensors(given, held):
-                    break
-            else:
-                return bound
+        if bound is not None and bound.replaced(device_pool, layers) is None:
+            return bound
         geometry = self._check_device_pool(device_pool)
         given = [list(getattr(device_pool, name)) for name in self.kind.buffers]
         tables = self.backend.device if self.backend.reads_layer_tables else None
@@ -348,11 +332,6 @@ def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected True or False, got {value!r}")
     return bool(value)
-
-
-def _same_tensors(given: Any, bound: Sequence[torch.Tensor]) -> bool:
-    # type() first: isinstance against the Sequence ABC costs a microsecond a call.
-    return (type(given) in (list, tuple) or isinstance(given, Sequence)) and len(given) == len(bound) and all(map(operator.is_, given, bound))
 
 
 __all__ = ["LAYOUTS", "AsymmetricHostPool", "DeviceKVPool", "HostPool"]

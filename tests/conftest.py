@@ -64,3 +64,11 @@ def clean_env(monkeypatch):
     for setting in config.SETTINGS:
         monkeypatch.delenv(setting.name, raising=False)
     return monkeypatch
+
+
+@pytest.fixture
+def cpu_backend():
+    """The cpu backend bound for the test, the one bound before restored."""
+    before = backends.current().name
+    yield backends.use("cpu")
+    backends.use(before)

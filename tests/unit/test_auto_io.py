@@ -12,7 +12,6 @@ import torch
 from kvspec import bits, host_row, page_tokens, randomize
 
 import portable_kv as pk
-from portable_kv import backends
 from portable_kv.backends import cpu
 from portable_kv.io import auto
 from portable_kv.io.staging_schedule import LINK_RULE, StagingRule
@@ -23,13 +22,6 @@ from portable_kv.validation import IndexValidator
 P = 4
 # What the cpu backend's auto records for each path it hands a transfer to: its kernel path is torch indexing.
 RECORDED = {"kernel": "indexing", "bulk": "bulk", "direct": "direct", "staged": "staged"}
-
-
-@pytest.fixture
-def cpu_backend():
-    before = backends.current().name
-    yield backends.use("cpu")
-    backends.use(before)
 
 
 @pytest.fixture

@@ -74,13 +74,6 @@ def test_sglangs_own_plugin_loader_stops_on_a_bad_io_setting():
 # -- auto's reasons ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def cpu_backend():
-    before = backends.current().name
-    yield backends.use("cpu")
-    backends.use(before)
-
-
 def auto_reason(layers: int, call: str, monkeypatch) -> str:
     """The reason auto gives for one call on a layer_first pool of `layers` layers whose 32
     pages are one run on both sides: one copy of K (12 KiB) and one of V (8 KiB) a layer."""

@@ -148,13 +148,6 @@ def test_a_steady_per_layer_call_runs_few_python_frames(simulated):
     host.close()
 
 
-@pytest.fixture
-def cpu_backend():
-    before = backends.current().name
-    yield backends.use("cpu")
-    backends.use(before)
-
-
 def test_ready_completes_once_a_plans_call_of_that_layer_landed(cpu_backend):
     dev, host = filled_pools()
     plan = host.prepare(dev, page_tokens(torch.tensor([3]), P), page_tokens(torch.tensor([5]), P))

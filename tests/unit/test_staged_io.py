@@ -14,7 +14,6 @@ from fake_runtimes import CUDART_SYMBOLS, FAKE_STREAM, HIP_SYMBOLS, FakeLib
 from kvspec import bits, page_tokens, randomize
 
 import portable_kv as pk
-from portable_kv import backends
 from portable_kv.backends import cuda, rocm
 from portable_kv.backends.runtime import MEMCPY_DEFAULT, DeviceError
 from portable_kv.io import context
@@ -23,13 +22,6 @@ from portable_kv.io import staging_schedule as schedule
 from portable_kv.io.streams import InlineStreams
 
 STREAM = FAKE_STREAM
-
-
-@pytest.fixture
-def cpu_backend():
-    before = backends.current().name
-    yield backends.use("cpu")
-    backends.use(before)
 
 
 def filled_pools(layout: str = "page_first_direct", io: str = "staged", P: int = 4, layers: int = 3):

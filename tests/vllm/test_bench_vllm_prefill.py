@@ -5,22 +5,12 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-from portable_kv import backends
 from portable_kv.bench import vllm_prefill
 from portable_kv.bench.measure import Clock
 from portable_kv.bench.progress import Progress
 from portable_kv.engines.vllm.host_tier import Slot
-
-
-@pytest.fixture
-def cpu_backend():
-    """The cpu backend bound for the test, the one bound before restored."""
-    before = backends.current().name
-    yield backends.use("cpu")
-    backends.use(before)
 
 
 def test_the_prefill_rows_run_tiny_on_the_cpu_backend(cpu_backend):

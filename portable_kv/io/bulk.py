@@ -17,6 +17,7 @@ the pool asked not to read on the host) go to the kernel path.
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Protocol
 
 import numpy as np
@@ -111,12 +112,14 @@ class BulkLaunch(Launch):
         self.kernel = backend.bulk_kernel(self.shared_bytes)
         self._param_array = (ctypes.c_void_p * 1)(ctypes.addressof(args))
         self.params = ctypes.addressof(self._param_array)
+        self.lock = threading.Lock()
 
     def run(self, layers: range, stream: int | None) -> None:
         self.runtime.bind_thread()
         self.made.order(stream)
-        self.args.layer_begin = layers.start
-        self.runtime.launch(self.kernel, self.grid, self.backend.bulk_threads, self.params, stream, self.shared_bytes)
+        with self.lock:  # one struct per launch, as KernelLaunch's
+            self.args.layer_begin = layers.start
+            self.runtime.launch(self.kernel, self.grid, self.backend.bulk_threads, self.params, stream, self.shared_bytes)
 
 
 class NothingToMove(Launch):

@@ -55,6 +55,9 @@ class KernelLaunch(Launch):
         self.kernel = backend.kernels()[kernel_args.width]
         self.quota, self.grid = 0, 1
         self.thread = threading.get_ident()  # build() bound it to the device
+        # One struct per launch: a call on another thread must not set its layer between this
+        # call's and the runtime's copy of the arguments at launch.
+        self.lock = threading.Lock()
 
     def run(self, layers: range, stream: int | None) -> None:
         if threading.get_ident() != self.thread:
@@ -65,8 +68,9 @@ class KernelLaunch(Launch):
             self.quota, self.grid = quota, grid_size(self.args.total_vecs, quota)
         if stream not in self.made.seen:
             self.made.order(stream)
-        self.args.layer_begin = layers.start
-        self.runtime.launch(self.kernel, self.grid, BLOCK, self.params, stream)
+        with self.lock:
+            self.args.layer_begin = layers.start
+            self.runtime.launch(self.kernel, self.grid, BLOCK, self.params, stream)
 
 
 class KernelMover(Mover):
